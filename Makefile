@@ -1,0 +1,25 @@
+# The course's two commands (README, "Quick start"):
+#   make lab    set up .venv if needed, then open the course in JupyterLab
+#   make test   set up .venv if needed, then run the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+READY := $(VENV)/.ready
+LAB_ARGS ?=
+
+.PHONY: lab test exercises
+
+lab: $(READY)
+	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/00_measuring_memory.ipynb
+
+test: $(READY)
+	$(BIN)/python -m pytest
+
+exercises: $(READY)
+	$(BIN)/course-lib make-exercises
+
+# torch is pinned to the CPU wheel in constraints.txt; the package itself keeps wide ranges.
+$(READY): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,lab]'
+	touch $@

@@ -1,0 +1,13 @@
+"""Memory tricks course library: the tested code behind every lesson of the course.
+
+`%load_ext course_lib` in a notebook registers the `%%gpu_only` cell magic (lesson 0, "Setup").
+"""
+
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """Register the course's cell magics in IPython (`%load_ext course_lib`)."""
+    from course_lib.course import gpu_only
+
+    ipython.register_magic_function(gpu_only, magic_kind="cell", magic_name="gpu_only")

@@ -1,0 +1,50 @@
+"""What every lesson notebook shares: the repository URL, the Colab badge, the setup cell and the
+`%%gpu_only` cell magic (lesson 0, "Setup")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The one place the repository is configured: badges and the Colab install read it from here.
+REPOSITORY = "memory-tricks-course/memory-tricks"
+BRANCH = "main"
+PACKAGE_URL = f"git+https://github.com/{REPOSITORY}@{BRANCH}"
+COLAB_BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
+
+SETUP_CELL = f"""\
+# Setup. On Google Colab: install bitsandbytes and course_lib (Colab's own torch is kept).
+# Elsewhere (JupyterLab started by `make lab`) everything is installed already: nothing to do.
+import subprocess, sys
+if "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "bitsandbytes",
+                    "course-lib @ {PACKAGE_URL}"], check=True)
+%load_ext course_lib
+from course_lib.device import check_environment
+check_environment();"""
+
+
+def colab_url(path: str | Path) -> str:
+    """The Open-in-Colab address of a notebook given by its path inside the repository."""
+    return f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/{Path(path).as_posix()}"
+
+
+def colab_badge(path: str | Path) -> str:
+    """Markdown for the Open-in-Colab badge of the notebook at `path` (relative to the repository)."""
+    return f"[![Open In Colab]({COLAB_BADGE_IMAGE})]({colab_url(path)})"
+
+
+def gpu_only(line: str, cell: str) -> None:
+    """`%%gpu_only WHAT A GPU WOULD SHOW`: run the cell on a CUDA GPU, skip it with a message on CPU.
+
+    The line after the magic says what the cell demonstrates, so that a learner on a CPU still
+    reads what a GPU would show.
+    """
+    import torch
+    from IPython import get_ipython
+
+    reason = line.strip().strip("'\"") or "this cell needs a CUDA GPU"
+    if not torch.cuda.is_available():
+        print(f"Skipped on CPU (no CUDA GPU): {reason}")
+        return
+    result = get_ipython().run_cell(cell)
+    result.raise_error()

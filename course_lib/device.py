@@ -1,0 +1,148 @@
+"""Device choice, Colab detection and the dtype policy (lesson 0, "Setup")."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+def in_colab() -> bool:
+    """True inside a Google Colab runtime (lesson 0, "Setup")."""
+    return "google.colab" in sys.modules
+
+
+def pick_device(prefer: str | None = None) -> torch.device:
+    """The device the lessons run on: CUDA when present, else CPU (lesson 0, "Setup").
+
+    `prefer="cpu"` forces the CPU; `prefer="cuda"` raises a clear error when no GPU is present.
+    """
+    if prefer not in (None, "cpu", "cuda"):
+        raise ValueError(f"unknown device {prefer!r}: use 'cpu', 'cuda' or None (pick automatically)")
+    if prefer == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU is visible: run on CPU (prefer=None) or switch to a GPU runtime")
+    if prefer == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def compute_capability(device: torch.device | None = None) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None on CPU (lesson 0, "Setup")."""
+    device = torch.device(device) if device is not None else pick_device()
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """How to train on a device: parameter dtype, autocast dtype, whether to scale the loss."""
+
+    param_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    grad_scaler: bool
+    reason: str
+
+
+def dtype_policy(device: torch.device | None = None) -> DtypePolicy:
+    """Pick the training precision for a device (lesson 0, "Setup"; lesson 5 explains it).
+
+    bf16 only at compute capability >= 8.0 (Ampere and newer). A T4 (7.5) has no bf16 hardware even
+    when `torch.cuda.is_bf16_supported()` says True (emulation), so it gets fp16 autocast with fp32
+    trainable parameters and a GradScaler. The CPU trains in fp32 so that every byte count is exact.
+    """
+    device = torch.device(device) if device is not None else pick_device()
+    capability = compute_capability(device)
+    if capability is None:
+        return DtypePolicy(torch.float32, None, False, "CPU: fp32 throughout, exact and simple")
+    if capability >= (8, 0):
+        return DtypePolicy(torch.float32, torch.bfloat16, False,
+                           f"compute capability {capability[0]}.{capability[1]} >= 8.0: bf16 autocast")
+    return DtypePolicy(torch.float32, torch.float16, True,
+                       f"compute capability {capability[0]}.{capability[1]} < 8.0 has no bf16 hardware: "
+                       "fp16 autocast, fp32 trainable parameters, GradScaler")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the environment check."""
+
+    ok: bool
+    name: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{'OK  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+
+
+def _imported_but_changed(package: str, module_name: str) -> str | None:
+    """The installed version when it differs from the one already imported in this process."""
+    module = sys.modules.get(module_name)
+    imported = getattr(module, "__version__", None) if module else None
+    if imported is None:
+        return None
+    try:
+        installed = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    # torch reports "2.11.0+cu128" while the metadata may say "2.11.0": compare the release part.
+    if installed.split("+")[0] != str(imported).split("+")[0]:
+        return f"{package} {imported} is imported but {installed} is installed"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Silence one library's warnings (not errors) for the duration of the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def environment_checks() -> list[Check]:
+    """The checks behind `check_environment` (lesson 0, "Setup")."""
+    checks = [Check(True, "python", sys.version.split()[0])]
+    torch_ok = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 4)
+    checks.append(Check(torch_ok, "torch", torch.__version__ + ("" if torch_ok else ": need >= 2.4")))
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        major, minor = torch.cuda.get_device_capability()
+        checks.append(Check(True, "CUDA", f"{name}, compute capability {major}.{minor}, CUDA {torch.version.cuda}"))
+    else:
+        checks.append(Check(True, "CUDA", "no GPU: running on CPU, GPU-only cells will be skipped"))
+    policy = dtype_policy()
+    checks.append(Check(True, "precision", policy.reason))
+    for package in ("transformers", "bitsandbytes", "peft", "nbval"):
+        try:
+            with _quiet_logger("bitsandbytes"):  # on CPU it warns about an optional hub-downloaded kernel
+                module = importlib.import_module(package)
+            checks.append(Check(True, package, getattr(module, "__version__", "installed")))
+        except Exception as error:  # an import can fail in many ways: report, don't crash
+            checks.append(Check(False, package, f"not importable ({type(error).__name__}: {error}); "
+                                                 f"run: pip install {package}"))
+    changed = [msg for pkg, mod in (("torch", "torch"), ("transformers", "transformers"),
+                                    ("bitsandbytes", "bitsandbytes"), ("numpy", "numpy"))
+               if (msg := _imported_but_changed(pkg, mod))]
+    if changed:
+        checks.append(Check(False, "restart", "; ".join(changed) +
+                            ": restart the runtime (Colab: Runtime > Restart session), then run again"))
+    else:
+        checks.append(Check(True, "restart", "not needed"))
+    return checks
+
+
+def check_environment() -> bool:
+    """Print one OK/FAIL line per requirement; True when all pass (lesson 0, "Setup")."""
+    checks = environment_checks()
+    for check in checks:
+        print(check)
+    return all(check.ok for check in checks)

@@ -1,0 +1,325 @@
+"""Exact memory accounting of one training step, by category, on CPU and CUDA (lesson 0).
+
+Categories are counted from the tensors themselves, one storage once: parameters, gradients,
+optimizer state (read from `optimizer.state`) and the tensors autograd saved for backward. The peak
+over forward, backward and the optimizer step comes from a live-storage tracker on CPU (every storage
+created or freed during the step) and from the caching allocator's statistics on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+PHASES = ("forward", "backward", "optimizer")
+
+
+def format_bytes(n: int | float | None) -> str:
+    """A byte count in the largest binary unit that keeps it >= 1 (GiB, MiB, KiB, B)."""
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    storage = tensor.untyped_storage()
+    return (str(tensor.device), storage.data_ptr())
+
+
+def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
+    """Map each distinct storage (device, address) behind `tensors` to its size in bytes.
+
+    Views, tied weights and slices share a storage and are counted once (lesson 0, "storage sharing").
+    """
+    found: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        if tensor is None or not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            continue
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes:
+            found[_storage_key(tensor)] = nbytes
+    return found
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`, each counted once (lesson 0)."""
+    return sum(unique_storages(tensors).values())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor held in `optimizer.state` (moments, step counters, quantization maps)."""
+    if optimizer is None:
+        return []
+    return [value for state in optimizer.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor)]
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Live bytes of every storage created during a region, and the peak (lesson 0, "the CPU tracker").
+
+    Every output of every operator is looked at once; a storage not seen before is added, and a weak
+    reference finalizer subtracts it when it is freed. `watch` adds storages that existed before the
+    region (parameters, optimizer state, the batch) so that the totals are absolute. Leaving the
+    `with` block stops the count: what is freed afterwards is not part of the region.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[tuple[str, int], int] = {}
+        self.current = 0
+        self.phase = "start"
+        self.phase_peaks: dict[str, int] = {}
+        self.timeline: list[tuple[str, int]] = []
+        self._finalizers: list[weakref.finalize] = []
+
+    def watch(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage until it is freed (once, however many tensors share it)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        key = (str(tensor.device), storage.data_ptr())
+        if not nbytes or key in self.live:
+            return
+        self.live[key] = nbytes
+        self._finalizers.append(weakref.finalize(storage, self._freed, key, nbytes))
+        self._record(nbytes)
+
+    def _freed(self, key: tuple[str, int], nbytes: int) -> None:
+        if self.live.get(key) == nbytes:
+            del self.live[key]
+            self._record(-nbytes)
+
+    def _record(self, delta: int) -> None:
+        self.current += delta
+        self.timeline.append((self.phase, self.current))
+        if self.current > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = self.current
+
+    def set_phase(self, phase: str) -> None:
+        """Start a new phase; its peak starts from the bytes live now."""
+        self.phase = phase
+        self.phase_peaks[phase] = self.current
+        self.timeline.append((phase, self.current))
+
+    @property
+    def peak(self) -> int:
+        return max(self.phase_peaks.values(), default=0)
+
+    def __exit__(self, *exc):
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            self.watch(tensor)
+        return out
+
+
+@dataclass
+class StepMemory:
+    """Memory of one training step by category, in bytes (lesson 0).
+
+    `baseline` is what was live before the step (model, optimizer state, batch); `peak` the most
+    live at any moment of the step; `phase_peaks` the peak of each phase. On CUDA `reserved` is what
+    the caching allocator holds and `outside_pytorch` what the GPU uses beyond it (CUDA context,
+    other processes): nvidia-smi shows reserved + outside_pytorch.
+    """
+
+    device: str
+    method: str
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    saved_for_backward: int
+    baseline: int
+    peak: int
+    phase_peaks: dict[str, int]
+    reserved: int | None = None
+    outside_pytorch: int | None = None
+    timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
+
+    def rows(self) -> list[tuple[str, int | None]]:
+        """(label, bytes) in display order."""
+        rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer_state),
+                ("saved for backward", self.saved_for_backward),
+                ("live before the step", self.baseline)]
+        rows += [(f"peak in {phase}", self.phase_peaks.get(phase)) for phase in PHASES
+                 if phase in self.phase_peaks]
+        rows.append(("peak of the step", self.peak))
+        if self.reserved is not None:
+            rows += [("reserved by the allocator", self.reserved),
+                     ("outside PyTorch (context, other processes)", self.outside_pytorch)]
+        return rows
+
+    def to_dict(self) -> dict:
+        """Plain numbers (bytes), without the timeline."""
+        data = asdict(self)
+        data.pop("timeline")
+        return data
+
+    def __str__(self) -> str:
+        width = max(len(label) for label, _ in self.rows())
+        lines = [f"Memory of one training step on {self.device} ({self.method})"]
+        lines += [f"  {label:<{width}}  {format_bytes(value):>11}" for label, value in self.rows()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        body = "".join(f"<tr><td style='text-align:left'>{html.escape(label)}</td>"
+                       f"<td style='text-align:right'>{format_bytes(value)}</td></tr>"
+                       for label, value in self.rows())
+        caption = html.escape(f"One training step on {self.device} ({self.method})")
+        return (f"<table><caption>{caption}</caption><tr><th>category</th><th>memory</th></tr>"
+                f"{body}</table>")
+
+
+class _SavedTensorRecorder:
+    """Storages autograd saves for backward during forward, parameters and buffers excluded."""
+
+    def __init__(self, excluded: set[tuple[str, int]]) -> None:
+        self.excluded = excluded
+        self.saved: dict[tuple[str, int], int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for key, nbytes in unique_storages([tensor]).items():
+            if key not in self.excluded:
+                self.saved[key] = nbytes
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 loss_fn: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor] = ()) -> StepMemory:
+    """Run one training step and account for its memory by category (lesson 0).
+
+    `loss_fn()` runs the forward pass and returns a scalar loss; `inputs` are the batch tensors it
+    reads (counted in the baseline). Gradients are reset with `set_to_none=True` first, then forward,
+    backward and `optimizer.step()` run (no step when `optimizer` is None).
+
+    Tensors saved inside a non-reentrant checkpoint region are invisible to `saved_for_backward`
+    (checkpointing installs its own hooks); the peak still counts them.
+    """
+    device = next(model.parameters()).device
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    inputs = [t for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)]
+    model_tensors = list(model.parameters()) + list(model.buffers())
+    recorder = _SavedTensorRecorder(set(unique_storages(model_tensors)))
+    baseline_tensors = model_tensors + optimizer_state_tensors(optimizer) + inputs
+    if device.type == "cuda":
+        peaks, reserved, outside, timeline, baseline = _run_on_cuda(device, model, optimizer, loss_fn, recorder)
+        method = "CUDA caching allocator statistics"
+    else:
+        tracker = LiveStorageTracker()
+        for tensor in baseline_tensors:
+            tracker.watch(tensor)
+        baseline = tracker.current
+        with tracker:
+            _run_phases(tracker.set_phase, optimizer, loss_fn, recorder)
+        peaks, reserved, outside, timeline = tracker.phase_peaks, None, None, tracker.timeline
+        peaks.pop("start", None)
+        method = "live-storage tracker"
+    return StepMemory(
+        device=str(device), method=method,
+        parameters=storage_bytes(model.parameters()),
+        gradients=storage_bytes(p.grad for p in model.parameters()),
+        optimizer_state=storage_bytes(optimizer_state_tensors(optimizer)),
+        saved_for_backward=sum(recorder.saved.values()),
+        baseline=baseline, peak=max(peaks.values()), phase_peaks=dict(peaks),
+        reserved=reserved, outside_pytorch=outside, timeline=timeline)
+
+
+def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: _SavedTensorRecorder) -> None:
+    begin("forward")
+    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+        loss = loss_fn()
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+        raise ValueError("loss_fn must return a scalar tensor that requires grad (the training loss)")
+    begin("backward")
+    loss.backward()
+    del loss
+    if optimizer is not None:
+        begin("optimizer")
+        optimizer.step()
+
+
+def _run_on_cuda(device, model, optimizer, loss_fn, recorder):
+    peaks: dict[str, int] = {}
+    current = {"phase": None}
+
+    def begin(phase: str) -> None:
+        torch.cuda.synchronize(device)
+        if current["phase"] is not None:
+            peaks[current["phase"]] = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        current["phase"] = phase
+
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    _run_phases(begin, optimizer, loss_fn, recorder)
+    begin("end")
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return peaks, reserved, total - free - reserved, [], baseline
+
+
+def profiler_peak(step: Callable[[], None]) -> int:
+    """Peak CPU bytes of `step()` as the PyTorch profiler's memory timeline sees them (lesson 0).
+
+    An independent check of `LiveStorageTracker`: the profiler records every allocation and free
+    of the CPU allocator. The result is relative to what was allocated before `step` started.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with _native_stderr_silenced():  # the profiler's C++ side prints "USDT: profiler_start/stop"
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    current = peak = 0
+    for event in sorted(_memory_events(prof), key=lambda e: e[0]):
+        current += event[1]
+        peak = max(peak, current)
+    return peak
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Send file descriptor 2 (C++ code's stderr) to /dev/null for the duration of the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _memory_events(prof) -> list[tuple[int, int]]:
+    """(time, signed bytes) of every CPU allocation and free the profiler recorded."""
+    events = []
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+            events.append((event.start_ns(), event.nbytes()))
+    return events
