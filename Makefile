@@ -6,11 +6,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.ready
 LAB_ARGS ?=
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)  # JupyterLab refuses root without it
 
 .PHONY: lab test exercises
 
 lab: $(READY)
-	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/00_measuring_memory.ipynb
+	$(BIN)/jupyter lab $(ROOT_ARGS) $(LAB_ARGS) notebooks/00_measuring_memory.ipynb
 
 test: $(READY)
 	$(BIN)/python -m pytest
