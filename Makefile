@@ -11,7 +11,7 @@ ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)  # JupyterLab refuses
 .PHONY: lab test exercises
 
 lab: $(READY)
-	$(BIN)/jupyter lab $(ROOT_ARGS) $(LAB_ARGS) notebooks/00_measuring_memory.ipynb
+	$(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_measuring_memory.ipynb $(ROOT_ARGS) $(LAB_ARGS)
 
 test: $(READY)
 	$(BIN)/python -m pytest
