@@ -190,22 +190,34 @@ class StepMemory:
                 f"{body}</table>")
 
 
-class _SavedTensorRecorder:
-    """Storages autograd saves for backward during forward, parameters and buffers excluded."""
+class SavedTensorRecorder:
+    """Bytes of the storages autograd saves for backward inside a `with` block (lesson 0).
 
-    def __init__(self, excluded: set[tuple[str, int]]) -> None:
-        self.excluded = excluded
+    Storages of the `excluded` tensors (the model's parameters and buffers) are left out; each
+    storage is counted once however many tensors share it.
+    """
+
+    def __init__(self, excluded: Iterable[torch.Tensor] = ()) -> None:
+        self.excluded = set(unique_storages(excluded))
         self.saved: dict[tuple[str, int], int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         for key, nbytes in unique_storages([tensor]).items():
             if key not in self.excluded:
                 self.saved[key] = nbytes
         return tensor
 
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    @property
+    def bytes(self) -> int:
+        return sum(self.saved.values())
+
+    def __enter__(self) -> "SavedTensorRecorder":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
 
 def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -225,7 +237,7 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     model.zero_grad(set_to_none=True)
     inputs = [t for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)]
     model_tensors = list(model.parameters()) + list(model.buffers())
-    recorder = _SavedTensorRecorder(set(unique_storages(model_tensors)))
+    recorder = SavedTensorRecorder(model_tensors)
     baseline_tensors = model_tensors + optimizer_state_tensors(optimizer) + inputs
     if device.type == "cuda":
         peaks, reserved, outside, timeline, baseline = _run_on_cuda(device, model, optimizer, loss_fn, recorder)
@@ -245,14 +257,14 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
         parameters=storage_bytes(model.parameters()),
         gradients=storage_bytes(p.grad for p in model.parameters()),
         optimizer_state=storage_bytes(optimizer_state_tensors(optimizer)),
-        saved_for_backward=sum(recorder.saved.values()),
+        saved_for_backward=recorder.bytes,
         baseline=baseline, peak=max(peaks.values()), phase_peaks=dict(peaks),
         reserved=reserved, outside_pytorch=outside, timeline=timeline)
 
 
-def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: _SavedTensorRecorder) -> None:
+def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: SavedTensorRecorder) -> None:
     begin("forward")
-    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+    with recorder:
         loss = loss_fn()
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
         raise ValueError("loss_fn must return a scalar tensor that requires grad (the training loss)")
