@@ -1,7 +1,10 @@
 """Packaging: Colab's stack is accepted, dev pins torch, environment.yml matches pyproject (README)."""
 
 import re
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,14 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
     assert "make lab" in readme and "make test" in readme
     assert re.search(r"^make test$", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)
+
+
+def test_the_wheel_colab_installs_carries_every_module_and_config(tmp_path):
+    """Colab installs course_lib from git as a wheel, not in editable mode: nothing may be left out."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("course_lib-*.whl"))
+    packed = set(zipfile.ZipFile(wheel).namelist())
+    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "course_lib").rglob("*")
+              if p.suffix in (".py", ".json") and "__pycache__" not in p.parts}
+    assert source and source <= packed, sorted(source - packed)
