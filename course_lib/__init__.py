@@ -3,7 +3,13 @@
 `%load_ext course_lib` in a notebook registers the `%%gpu_only` cell magic (lesson 0, "Setup").
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# bitsandbytes on a CPU warns at import that an optional kernel (fetched from a model hub, which the
+# course never reaches) is missing; nothing of the course needs it. Only that one module is silenced.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def load_ipython_extension(ipython) -> None:

@@ -1127,16 +1127,8 @@ def trainer_cross_check(n_sequences: int = 22, micro_batch_size: int = 2, accumu
     `gradient_accumulation_steps=accumulation_steps`; `n_sequences / micro_batch_size` not a multiple
     of K exercises the short final window. Nothing is downloaded or saved.
     """
-    import logging
-
-    noisy = logging.getLogger("bitsandbytes")  # an optional-kernel warning on import, irrelevant here
-    level = noisy.level
-    noisy.setLevel(logging.ERROR)
-    try:
-        import transformers
-        from transformers import LlamaForCausalLM, PrinterCallback, Trainer, TrainingArguments
-    finally:
-        noisy.setLevel(level)
+    import transformers
+    from transformers import LlamaForCausalLM, PrinterCallback, Trainer, TrainingArguments
 
     from torch.utils.data import DataLoader, SequentialSampler
 

@@ -38,6 +38,22 @@ def _grade(args: argparse.Namespace) -> int:
     return grade(args.notebooks)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from course_lib.memory import PlanError, plan_from_cli
+
+    try:
+        result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
+                               lora_rank=args.lora_rank, quant=args.quant, batch=args.batch, seq=args.seq,
+                               checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
+                               gpu=args.gpu)
+    except PlanError as error:
+        raise UserError(str(error)) from None
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="course-lib", description="Memory tricks course: tools for learners and instructors.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -54,6 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     grade = commands.add_parser("grade", help="run notebooks under nbval and summarise each exercise")
     grade.add_argument("notebooks", nargs="+", help="notebooks (.ipynb) to grade; they are not modified")
     grade.set_defaults(run=_grade)
+
+    plan = commands.add_parser("plan", help="predict the memory of a training step and whether it fits a GPU")
+    plan.add_argument("model", nargs="?", metavar="MODEL_OR_CONFIG",
+                      help="a bundled model (e.g. llama-3.1-8b), a config.json or its folder; or use --params")
+    plan.add_argument("--params", help="a raw parameter count, e.g. 7e9 (activations are then unknown)")
+    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16"),
+                      help="default: mixed-bf16, or mixed-fp16 on a GPU without bf16; the base's dtype for --quant")
+    plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw8bit",
+                      "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
+    plan.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R")
+    plan.add_argument("--quant", default="none", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA)")
+    plan.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    plan.add_argument("--seq", type=int, default=512, help="sequence length in tokens (default 512)")
+    plan.add_argument("--checkpointing", default="none", metavar="PLAN",
+                      help="none, every-layer, sqrt or every-K (e.g. every-2)")
+    plan.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    plan.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel")
+    plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
+                                    "rtx3090, rtx4090")
+    plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
+    plan.set_defaults(run=_plan)
     return parser
 
 

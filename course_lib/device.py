@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
-import logging
 import sys
 from dataclasses import dataclass
 
@@ -96,18 +94,6 @@ def _imported_but_changed(package: str, module_name: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _quiet_logger(name: str):
-    """Silence one library's warnings (not errors) for the duration of the block."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def environment_checks() -> list[Check]:
     """The checks behind `check_environment` (lesson 0, "Setup")."""
     checks = [Check(True, "python", sys.version.split()[0])]
@@ -123,8 +109,7 @@ def environment_checks() -> list[Check]:
     checks.append(Check(True, "precision", policy.reason))
     for package in ("transformers", "bitsandbytes", "peft", "nbval"):
         try:
-            with _quiet_logger("bitsandbytes"):  # on CPU it warns about an optional hub-downloaded kernel
-                module = importlib.import_module(package)
+            module = importlib.import_module(package)
             checks.append(Check(True, package, getattr(module, "__version__", "installed")))
         except Exception as error:  # an import can fail in many ways: report, don't crash
             checks.append(Check(False, package, f"not importable ({type(error).__name__}: {error}); "

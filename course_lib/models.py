@@ -1,0 +1,240 @@
+"""Real model architectures with no download: bundled configs, any local config.json, exact
+parameter counts from meta-device instantiation (lesson 1, "how many parameters, exactly").
+
+The bundled configs under `course_lib/configs/` are the published `config.json` values of well-known
+models (facts, no weights). A model built from one on the meta device has the real shapes and no
+memory, so its parameter count is exact, not a formula: tied embeddings, biases, norms and
+grouped-query attention are counted as the Hugging Face implementation builds them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import warnings
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+# Published parameter counts (model cards / safetensors metadata of the Hugging Face Hub), checked
+# against meta-device instantiation of the bundled configs in tests/test_models.py.
+PUBLISHED_PARAMETERS = {
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3.1-8b": 8_030_261_248,
+    "mistral-7b": 7_241_732_096,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "phi-3-mini": 3_821_079_552,
+    "gemma-2-2b": 2_614_341_888,
+}
+
+# Where each bundled config comes from (the Hub repository whose config.json it copies).
+HUB_IDS = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-2-70b": "meta-llama/Llama-2-70b-hf",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "phi-3-mini": "microsoft/Phi-3-mini-4k-instruct",
+    "gemma-2-2b": "google/gemma-2-2b",
+}
+
+
+class ModelNotFound(ValueError):
+    """An unknown model name or a config that cannot be read; the message says what to do."""
+
+
+def bundled_models() -> list[str]:
+    """Names of the bundled configs, e.g. 'llama-2-7b' (lesson 1)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def _normalise(name: str) -> str:
+    name = name.strip().lower()
+    for hub_name, hub_id in HUB_IDS.items():  # accept the Hub id too: "meta-llama/Llama-2-7b-hf"
+        if name == hub_id.lower():
+            return hub_name
+    return name
+
+
+def load_config(name_or_path: str | Path):
+    """A transformers config from a bundled name ('llama-2-7b'), a Hub id of a bundled model, a
+    config.json file, or a folder holding one (lesson 1).
+
+    Unknown names raise ModelNotFound listing the closest bundled names; unreadable files raise
+    ModelNotFound saying what is wrong with them.
+    """
+    from transformers import AutoConfig
+
+    text = str(name_or_path)
+    key = _normalise(text)
+    path = Path(text).expanduser()
+    if key in bundled_models():
+        data = _read_json(CONFIG_DIR / f"{key}.json")
+    elif path.exists() or text.endswith(".json") or "/" in text or "\\" in text:
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelNotFound(f"no config file at {path}")
+        data = _read_json(path)
+    else:
+        close = difflib.get_close_matches(key, bundled_models(), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ModelNotFound(f"unknown model {text!r}: {hint}use a bundled name "
+                            f"({', '.join(bundled_models())}), a config.json path, or --params N")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise ModelNotFound(f"{path if path.suffix == '.json' else text}: config has no \"model_type\" string, "
+                            "so the architecture is unknown")
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ModelNotFound(f"cannot build a {model_type!r} config: {' '.join(str(error).split())[:300]}") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelNotFound(f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: "
+                            f"{error.msg})") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ModelNotFound(f"cannot read {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise ModelNotFound(f"{path} must hold a JSON object (a config.json), not {type(data).__name__}")
+    return data
+
+
+def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype | None = None,
+                attn_implementation: str | None = None) -> torch.nn.Module:
+    """A causal LM of the config's architecture with random weights (lesson 1).
+
+    On the meta device (the default) it holds shapes and no memory: a 70B model builds in a second.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One distinct parameter tensor: its name, shape and the kind of module that owns it."""
+
+    name: str
+    shape: tuple[int, ...]
+    module: str  # "linear", "embedding", "norm" or "other"
+    is_lm_head: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs of a model: exact parameter tensors and the config (lesson 1)."""
+
+    name: str
+    config: object = field(repr=False)
+    params: tuple[ParamInfo, ...] = field(repr=False)
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.params)
+
+    @property
+    def n_layers(self) -> int | None:
+        for key in ("num_hidden_layers", "n_layer"):
+            value = getattr(self.config, key, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+
+def _module_kind(module: torch.nn.Module) -> str:
+    if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":  # GPT-2's Conv1D is a Linear
+        return "linear"
+    if isinstance(module, torch.nn.Embedding):
+        return "embedding"
+    if "norm" in type(module).__name__.lower():
+        return "norm"
+    return "other"
+
+
+def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec:
+    """The ModelSpec of a built model: distinct parameters (tied weights once) with their owners."""
+    seen: set[int] = set()
+    infos = []
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            infos.append(ParamInfo(f"{module_name}.{param_name}" if module_name else param_name,
+                                   tuple(param.shape), _module_kind(module), module is output))
+    return ModelSpec(name, config if config is not None else getattr(model, "config", None), tuple(infos))
+
+
+@lru_cache(maxsize=64)
+def _cached_spec(key: str) -> ModelSpec:
+    config = load_config(key)
+    try:
+        model = build_model(config)
+    except Exception as error:  # e.g. an encoder-decoder config: not a causal LM transformers can build
+        first = " ".join(str(error).split())[:300]
+        raise ModelNotFound(f"cannot build a causal language model from {key}: {type(error).__name__}: {first}") \
+            from None
+    name = key if key in bundled_models() else Path(key).parent.name if key.endswith("config.json") else Path(key).stem
+    return spec_from_model(model, name, config)
+
+
+def model_spec(name_or_path: str | Path) -> ModelSpec:
+    """The exact parameter tensors of a bundled model or config.json, from a meta-device build."""
+    text = str(name_or_path)
+    key = _normalise(text)
+    if key not in bundled_models():
+        path = Path(text).expanduser()
+        key = str(path.resolve()) if path.exists() else text
+    return _cached_spec(key)
+
+
+def count_parameters(name_or_path: str | Path) -> int:
+    """Exact number of distinct parameters (tied weights once) of a bundled model or config.json.
+
+    Built on the meta device, so a 70B model costs no memory (lesson 1, "how many parameters").
+    """
+    return model_spec(name_or_path).n_params

@@ -1,0 +1,287 @@
+"""Tests of course_lib.memory, the planner (lesson 1): model states exact to the byte against real
+optimizers and real quantized layers, activations against measured training steps, the
+checkpointing cost model as the one source of truth, the GPU catalog and "what makes it fit"."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from course_lib import memory
+from course_lib.measure import measure_step, storage_bytes
+from course_lib.memory import PlanError, Setup, nf4_bytes, optimizer_state_bytes, plan
+from course_lib.models import build_model, spec_from_model
+
+shapes = st.lists(st.one_of(st.tuples(st.integers(1, 300)), st.tuples(st.integers(1, 90), st.integers(1, 90))),
+                  min_size=1, max_size=4)
+
+
+def _real_state_bytes(make_optimizer, shape_list, dtype=torch.float32):
+    params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shape_list]
+    optimizer = make_optimizer(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer.step()
+    return storage_bytes(v for state in optimizer.state.values() for v in state.values()
+                         if isinstance(v, torch.Tensor))
+
+
+# --- the brief's numbers --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["mixed-bf16", "fp32", "mixed-fp16"])
+def test_seven_billion_with_adam_is_112_gb(precision):
+    result = plan(7e9, precision=precision, optimizer="adamw")
+    assert result.bytes["total"] == 112_000_000_000
+    assert result.bytes["activations"] == 0 and not result.activations_known
+    assert sum(result.bytes[c] for c in memory.CATEGORIES if c != "total") == result.total
+
+
+def test_mixed_precision_is_2_2_8_4():
+    b = plan(1000, precision="mixed-bf16").bytes
+    assert (b["weights"], b["gradients"], b["optimizer_state"], b["master_weights"]) == (2000, 2000, 8000, 4000)
+
+
+def test_seventy_billion_is_about_1_1_tb():
+    assert plan(70e9).total == 1_120_000_000_000
+
+
+@pytest.mark.parametrize("optimizer, per_param", [("sgd", 4), ("momentum", 8), ("adamw", 12), ("lion", 8),
+                                                  ("paged_adamw32bit", 12)])
+def test_fp32_bytes_per_parameter(optimizer, per_param):
+    assert plan(10**6, precision="fp32", optimizer=optimizer).total == per_param * 10**6 + 4 * 10**6
+
+
+def test_pure_bf16_adam_keeps_state_in_bf16_unless_asked():
+    assert plan(1000, precision="bf16").total == 2000 + 2000 + 4000
+    assert plan(1000, precision="bf16", adam_state="fp32").total == 2000 + 2000 + 8000
+
+
+# --- optimizer state: exact against the real optimizers ------------------------------------------
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes)
+def test_torch_adamw_state_is_exact(shape_list):
+    numels = [math.prod(s) for s in shape_list]
+    assert optimizer_state_bytes("adamw", numels, 4) == _real_state_bytes(torch.optim.AdamW, shape_list)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes)
+def test_torch_adafactor_state_is_exact(shape_list):
+    numels = [math.prod(s) for s in shape_list]
+    real = _real_state_bytes(torch.optim.Adafactor, shape_list)
+    assert optimizer_state_bytes("adafactor", numels, 4, shape_list) == real
+
+
+def test_momentum_state_is_exact():
+    shape_list = [(30, 7), (5,)]
+    real = _real_state_bytes(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), shape_list)
+    assert optimizer_state_bytes("momentum", [210, 5], 4) == real
+
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([(7,), (4095,), (4096,), (4097,), (64, 100), (300, 40), (257, 33)]),
+                min_size=1, max_size=3))
+def test_bitsandbytes_8bit_state_is_exact_with_small_tensor_fallback(shape_list):
+    numels = [math.prod(s) for s in shape_list]
+    for name, cls in (("adamw8bit", bnb.optim.AdamW8bit), ("paged_adamw8bit", bnb.optim.PagedAdamW8bit)):
+        assert optimizer_state_bytes(name, numels, 4) == _real_state_bytes(cls, shape_list)
+
+
+def test_8bit_adam_is_2_03_bytes_per_parameter_on_a_large_tensor():
+    n = 2**20
+    assert optimizer_state_bytes("adamw8bit", [n], 4) == 2 * n + 8 * n // 256 + 2048
+    assert optimizer_state_bytes("adamw8bit", [100], 4) == 800  # below 4096 elements: 32-bit state
+
+
+@pytest.mark.parametrize("name, cls", [("paged_adamw32bit", "PagedAdamW32bit"), ("lion", "Lion")])
+def test_bitsandbytes_32bit_state_is_fp32_even_for_bf16_params(name, cls):
+    shape_list = [(64, 100), (10,)]
+    real = _real_state_bytes(getattr(bnb.optim, cls), shape_list, torch.bfloat16)
+    assert optimizer_state_bytes(name, [6400, 10], 2) == real
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 200), st.integers(1, 300), st.booleans())
+def test_nf4_bytes_are_exact_against_a_real_quantized_layer(rows, cols, double_quant):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        weight = bnb.nn.Params4bit(torch.randn(rows, cols), requires_grad=False, compress_statistics=double_quant,
+                                   quant_type="nf4")._quantize("cpu")
+    state = weight.quant_state
+    meta = [state.absmax, state.code]
+    if double_quant:
+        meta += [state.offset, state.state2.absmax, state.state2.code]
+    assert nf4_bytes(rows * cols, double_quant) == (storage_bytes([weight]), storage_bytes(meta))
+
+
+# --- activations and peaks: against measured training steps -------------------------------------
+
+def _tiny_llama():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
+
+
+@pytest.mark.parametrize("checkpointing, precision", [("none", "fp32"), ("every-layer", "fp32"), ("none", "bf16")])
+def test_peak_matches_a_measured_step_within_2_percent(checkpointing, precision):
+    config = _tiny_llama()
+    setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
+    torch.manual_seed(0)
+    model = build_model(config, "cpu", dtype=setup.weight_dtype)
+    model.train()
+    if checkpointing != "none":
+        with warnings.catch_warnings():  # transformers 5 renames it activation_checkpointing_enable
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 2048, (2, 96))
+    labels = ids.clone()
+
+    def loss_fn():
+        return model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    measure_step(model, optimizer, loss_fn, [ids, labels])
+    measured = measure_step(model, optimizer, loss_fn, [ids, labels])
+    predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
+    assert predicted.bytes["weights"] == measured.parameters
+    assert predicted.bytes["gradients"] == measured.gradients
+    assert predicted.bytes["optimizer_state"] == measured.optimizer_state
+    assert abs(predicted.total - measured.peak) <= 0.02 * measured.peak
+
+
+def test_checkpointing_goes_through_lesson_3s_cost_model(monkeypatch):
+    from course_lib import checkpointing
+
+    calls = []
+    real = checkpointing.plan_cost
+
+    def spy(saved, inputs, boundaries, **kwargs):
+        calls.append(list(boundaries))
+        return real(saved, inputs, boundaries, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "plan_cost", spy)
+    plan("gpt2", precision="fp32", batch=1, seq=128, checkpointing="sqrt")
+    assert checkpointing.plan_boundaries(12, "sqrt") in calls  # GPT-2 small has 12 layers
+
+
+def test_checkpointing_lowers_the_peak_of_a_real_decoder_and_reports_recompute():
+    none = plan("gpt2", precision="fp32", batch=4, seq=512)
+    every = plan("gpt2", precision="fp32", batch=4, seq=512, checkpointing="every-layer")
+    assert every.bytes["activations"] < none.bytes["activations"]
+    assert every.detail["recompute_fraction"] == 1.0 and none.detail["recompute_fraction"] == 0.0
+
+
+def test_activations_grow_with_batch_and_sequence_and_eager_pays_the_square():
+    small = plan("gpt2", precision="fp32", batch=1, seq=128, attention="sdpa").detail["saved_for_backward"]
+    double_batch = plan("gpt2", precision="fp32", batch=2, seq=128, attention="sdpa").detail["saved_for_backward"]
+    assert double_batch > 1.9 * small
+    llama = plan("llama-3.2-1b", batch=1, seq=1024, attention="sdpa").detail["saved_per_layer"]
+    llama_eager = plan("llama-3.2-1b", batch=1, seq=1024, attention="eager").detail["saved_per_layer"]
+    assert llama_eager > llama + 32 * 1024 * 1024 * 2  # heads x s x s bf16 scores at least
+
+
+def test_accumulation_keeps_gradients_alive_during_the_forward():
+    one = plan("gpt2", precision="fp32", batch=2, seq=256)
+    four = plan("gpt2", precision="fp32", batch=2, seq=256, accum=4)
+    assert four.total > one.total
+
+
+def test_lora_trains_few_parameters_and_qlora_stores_half_a_byte():
+    lora = plan("llama-3.2-1b", precision="bf16", lora_rank=16, batch=1, seq=256)
+    assert lora.trainable_params < 0.02 * lora.n_params
+    assert lora.bytes["gradients"] == 4 * lora.trainable_params  # fp32 adapters
+    qlora = plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4-dq", batch=1, seq=256)
+    assert qlora.bytes["weights"] < 0.6 * lora.bytes["weights"]
+    assert 0 < qlora.bytes["quantization"] < plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4",
+                                                    batch=1, seq=256).bytes["quantization"]
+
+
+def test_korthikanti_formula():
+    assert memory.korthikanti_bytes(1, 2048, 4096, 32, 1) == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
+
+
+# --- GPUs, verdicts, tricks -----------------------------------------------------------------------
+
+def test_catalog_has_the_required_gpus_and_the_t4_shows_15_gib():
+    for name in ("t4", "l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090", "rtx4090"):
+        assert memory.get_gpu(name)
+    assert memory.get_gpu("T4").memory_bytes == 15 * 2**30
+    assert not memory.get_gpu("t4").bf16 and memory.get_gpu("a100").bf16
+
+
+def test_gpu_target_adds_the_cuda_context_and_a_verdict():
+    result = plan(10**6, precision="fp32", gpu="t4")
+    assert result.bytes["overhead"] == memory.CUDA_CONTEXT_BYTES and result.fits
+    assert "fits on T4" in result.verdict()
+
+
+def test_what_makes_it_fit_applies_tricks_in_order_until_it_fits():
+    result = plan("llama-3.2-1b", precision="mixed-fp16", batch=4, seq=1024, gpu="t4")
+    assert not result.fits and result.tricks
+    assert all(t.saves > 0 for t in result.tricks)
+    assert result.tricks[-1].fits_after and not any(t.fits_after for t in result.tricks[:-1])
+    assert all(t.total_after == before - t.saves for t, before in
+               zip(result.tricks, [result.total] + [t.total_after for t in result.tricks]))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(batch=0), "batch must be a positive integer"),
+    (dict(seq=-3), "seq must be a positive integer"),
+    (dict(precision="fp8"), "unknown precision"),
+    (dict(optimizer="adam"), "unknown optimizer"),
+    (dict(quant="nf4"), "--lora-rank"),
+    (dict(quant="nf4", lora_rank=8, precision="mixed-bf16"), "no fp32"),
+    (dict(checkpointing="every-0"), "K in every-K"),
+    (dict(checkpointing="half"), "unknown checkpointing plan"),
+])
+def test_bad_setups_are_refused_with_a_reason(options, message):
+    with pytest.raises(PlanError, match=message):
+        plan("gpt2", **options)
+
+
+def test_bad_gpu_and_bf16_on_a_t4_are_refused():
+    with pytest.raises(PlanError, match="did you mean"):
+        plan(1000, gpu="t5")
+    with pytest.raises(PlanError, match="no bf16 hardware"):
+        plan(1000, precision="mixed-bf16", gpu="t4")
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, float("nan")])
+def test_non_positive_counts_are_refused(count):
+    with pytest.raises(PlanError, match="positive whole number"):
+        plan(count)
+
+
+# --- lesson 1's exercise checks ---------------------------------------------------------------------
+
+def test_exercise_checks_accept_right_answers_and_explain_wrong_ones():
+    from course_lib import checks
+
+    def right(n, precision, optimizer):
+        weight = 4 if precision == "fp32" else 2
+        state = 2 if precision == "bf16" else 4
+        return n * (2 * weight + {"sgd": 0, "momentum": 1, "adamw": 2}[optimizer] * state
+                    + (4 if precision.startswith("mixed") else 0))
+
+    checks.check_model_state_bytes(right)
+    with pytest.raises(AssertionError, match="master"):
+        checks.check_model_state_bytes(lambda n, p, o: right(n, p, o) - (4 * n if p.startswith("mixed") else 0))
+
+    def layout(numel):
+        return 8 * numel if numel < 4096 else 2 * (numel + 4 * math.ceil(numel / 256))
+
+    checks.check_adamw8bit_state_bytes(layout)
+    with pytest.raises(AssertionError, match="absmax"):
+        checks.check_adamw8bit_state_bytes(lambda n: 8 * n if n < 4096 else 2 * n)
+    with pytest.raises(AssertionError, match="round the number"):
+        checks.check_adamw8bit_state_bytes(lambda n: 8 * n if n < 4096 else 2 * n + 8 * (n // 256))

@@ -1,0 +1,108 @@
+"""Tests of `course-lib plan` (lesson 1): the 112 GB answers, JSON and human output, and bad input as
+one line with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from course_lib import cli
+
+
+def run(capsys, *argv):
+    code = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("precision", ["mixed-bf16", "fp32"])
+def test_seven_billion_adamw_is_112e9_bytes(capsys, precision):
+    code, out, err = run(capsys, "--params", "7e9", "--precision", precision, "--optimizer", "adamw", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["bytes"]["total"] == 112_000_000_000
+    assert set(data["bytes"]) == {"weights", "gradients", "optimizer_state", "master_weights", "quantization",
+                                  "activations", "overhead", "total"}
+    assert all(isinstance(v, int) for v in data["bytes"].values())
+    assert data["bytes"]["overhead"] == 0 and data["activations_known"] is False
+
+
+def test_params_alone_says_activations_are_unknown(capsys):
+    code, out, _ = run(capsys, "--params", "7B")
+    assert code == 0
+    assert "activations" in out and "unknown" in out and "104.31 GiB" in out
+
+
+def test_a_bundled_model_on_a_gpu_gives_a_table_a_verdict_and_tricks(capsys):
+    code, out, err = run(capsys, "llama-3.2-1b", "--gpu", "t4", "--batch", "4", "--seq", "1024")
+    assert code == 0, err
+    assert "GiB" in out and "does not fit on T4" in out and "What makes it fit" in out
+    assert "mixed-fp16" in out  # the T4 has no bf16: the default precision follows the GPU
+
+
+def test_json_for_a_model_has_known_activations_and_the_fit(capsys):
+    code, out, _ = run(capsys, "gpt2", "--precision", "fp32", "--seq", "256", "--checkpointing", "every-layer",
+                       "--gpu", "a100-80gb", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["activations_known"] and data["bytes"]["activations"] > 0
+    assert data["fits"] is True and data["bytes"]["overhead"] > 0
+    assert sum(v for k, v in data["bytes"].items() if k != "total") == data["bytes"]["total"]
+
+
+def test_a_local_config_json(capsys, tmp_path):
+    from course_lib.models import CONFIG_DIR
+
+    config = tmp_path / "config.json"
+    config.write_text((CONFIG_DIR / "gpt2.json").read_text())
+    code, out, _ = run(capsys, str(config), "--json", "--seq", "64")
+    assert code == 0 and json.loads(out)["n_params"] == 124_439_808
+
+
+BAD = [
+    (["lama-3-8b"], "did you mean llama-3.1-8b"),
+    (["--params", "0"], "positive whole number"),
+    (["--params=-7e9"], "positive whole number"),
+    (["--params", "seven"], "number of parameters"),
+    (["gpt2", "--batch", "0"], "batch must be a positive integer"),
+    (["gpt2", "--seq", "-1"], "seq must be a positive integer"),
+    (["gpt2", "--lora-rank", "-2"], "lora rank"),
+    (["gpt2", "--quant", "nf4"], "--lora-rank"),
+    (["gpt2", "--checkpointing", "every-x"], "unknown checkpointing plan"),
+    (["gpt2", "--gpu", "t5"], "unknown GPU"),
+    (["gpt2", "--gpu", "t4", "--precision", "bf16"], "no bf16 hardware"),
+    (["gpt2", "--params", "7e9"], "not both"),
+    ([], "give a model"),
+    (["--params", "7e9", "--lora-rank", "8"], "layer shapes"),
+    (["gpt2", "--optimizer", "adam"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("course-lib: error:") and message in err
+
+
+def test_a_malformed_config_json_is_one_line(capsys, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": ')
+    code, out, err = run(capsys, str(bad))
+    assert code == 2 and err.count("\n") == 1 and "not valid JSON" in err
+
+
+def test_nf4_without_bitsandbytes_is_refused(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    code, _, err = run(capsys, "gpt2", "--lora-rank", "8", "--quant", "nf4", "--precision", "bf16")
+    assert code == 2 and "needs bitsandbytes" in err and err.count("\n") == 1
+
+
+def test_the_console_command_exits_2_with_one_line():
+    result = subprocess.run([sys.executable, "-m", "course_lib.cli", "plan", "--params", "-1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "positive whole number" in result.stderr
