@@ -1,0 +1,161 @@
+"""Tests of course_lib.qlora (lesson 5): the recipe, the model it builds, the Trainer run, and the
+planner against measurement on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from course_lib import qlora
+from course_lib.checkpointing import assert_gradients_flow
+from course_lib.device import DtypePolicy
+
+T4 = DtypePolicy(torch.float32, torch.float16, True, "T4")
+A100 = DtypePolicy(torch.float32, torch.bfloat16, False, "A100")
+CPU = DtypePolicy(torch.float32, None, False, "CPU")
+
+
+@pytest.fixture(scope="module")
+def config():
+    return qlora.tiny_llama_config(hidden=256, layers=1, intermediate=512, vocab=512)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The recipe
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(lora_rank=0), "lora_rank > 0"),
+    (dict(optim="adamw"), "unknown optim"),
+    (dict(batch=0), "batch must be a positive integer"),
+    (dict(accum=True), "accum must be a positive integer"),
+    (dict(lora_rank=-1, nf4=False), "lora_rank must be"),
+])
+def test_bad_recipes_fail_with_one_line(fields, message):
+    with pytest.raises(qlora.RecipeError, match=message) as error:
+        qlora.Recipe(**fields).validate()
+    assert "\n" not in str(error.value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 8), accum=st.integers(1, 16), trick=st.sampled_from(qlora.TRICKS))
+def test_switching_a_trick_off_keeps_the_effective_batch_and_a_valid_recipe(batch, accum, trick):
+    recipe = qlora.Recipe(batch=batch, accum=accum)
+    off = recipe.without(trick).validate()
+    assert off.effective_batch == recipe.effective_batch
+    assert off != recipe or (trick == "accumulation" and accum == 1)
+    assert recipe.all_off().validate().effective_batch == recipe.effective_batch
+    if trick == "accumulation":
+        assert off.accum == 1
+
+
+def test_unknown_trick_is_named():
+    with pytest.raises(qlora.RecipeError, match="unknown trick 'flash'"):
+        qlora.Recipe().without("flash")
+
+
+def test_planner_setup_follows_the_precision_policy():
+    recipe = qlora.Recipe()
+    t4 = qlora.planner_setup(recipe, T4)
+    assert (t4.precision, t4.quant, t4.optimizer) == ("fp16", "nf4-dq", "paged_adamw8bit")
+    assert t4.checkpointing == "every-layer" and t4.prepare_kbit
+    assert qlora.planner_setup(recipe, A100).precision == "bf16"
+    assert qlora.planner_setup(recipe, CPU).precision == "fp32"
+    full = qlora.planner_setup(recipe.all_off(), T4)  # fp32 trainable weights, autocast for activations
+    assert (full.precision, full.lora_rank, full.quant, full.batch, full.accum) == ("fp32", 0, "none", 4, 1)
+
+
+def test_training_arguments_carry_every_trick_and_the_t4_precision(tmp_path):
+    args = qlora.training_arguments(qlora.Recipe(batch=1, accum=16), tmp_path, max_steps=3, policy=T4)
+    assert args.per_device_train_batch_size == 1 and args.gradient_accumulation_steps == 16
+    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert "use_reentrant" in str(args.to_dict())
+    assert args.optim.value == "paged_adamw_8bit"
+    assert args.fp16 and not args.bf16  # bf16 breaks on a T4: fp16 autocast + GradScaler
+    cpu = qlora.training_arguments(qlora.Recipe(), tmp_path, max_steps=3, policy=CPU)
+    assert not cpu.fp16 and not cpu.bf16
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 20), seq=st.integers(2, 40), vocab=st.integers(2, 100), seed=st.integers(0, 5))
+def test_counting_dataset_counts_modulo_vocab(n, seq, vocab, seed):
+    rows = qlora.counting_dataset(n, seq, vocab, seed)
+    assert len(rows) == n
+    for row in rows:
+        ids = row["input_ids"]
+        assert ids.shape == (seq,) and torch.equal(row["labels"], ids)
+        assert torch.equal((ids[1:] - ids[:-1]) % vocab, torch.ones(seq - 1, dtype=ids.dtype))
+
+
+def test_counting_dataset_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="seq must be a positive integer"):
+        qlora.counting_dataset(4, 0, 10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model, measured and predicted
+# ---------------------------------------------------------------------------------------------------
+
+def test_qlora_model_is_nf4_double_quantized_with_fp32_adapters_and_gradients_flow(config):
+    import bitsandbytes as bnb
+
+    model = qlora.build_model(config, qlora.Recipe(), "cpu")
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 7  # q, k, v, o, gate, up, down of one layer; the output layer stays
+    for module in quantized:
+        assert module.weight.quant_state.quant_type == "nf4" and module.weight.quant_state.nested
+        assert not module.weight.requires_grad
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+    ids = torch.randint(0, config.vocab_size, (1, 16))
+    assert_gradients_flow(model, {"input_ids": ids, "labels": ids})
+
+
+def test_planner_within_ten_percent_and_tricks_save_memory(config):
+    on = qlora.measure_recipe(config, qlora.Recipe(seq=64, accum=2))
+    no_quant = qlora.measure_recipe(config, qlora.Recipe(seq=64, accum=2).without("nf4"))
+    off = qlora.measure_recipe(config, qlora.Recipe(seq=64, accum=2).all_off())
+    for row in (on, no_quant, off):
+        assert abs(row.error) < 0.10, (row.label, row.measured_peak, row.predicted_peak)
+        assert row.step_ms > 0
+    assert on.measured_peak < no_quant.measured_peak < off.measured_peak
+    assert on.trainable == no_quant.trainable < off.trainable
+
+
+def test_trainer_loss_decreases(config):
+    data = qlora.counting_dataset(32, 32, 16)
+    result = qlora.train(config, qlora.Recipe(seq=32, accum=2), data, max_steps=8, learning_rate=1e-2)
+    assert len(result.losses) == 8
+    assert sum(result.losses[-3:]) / 3 < sum(result.losses[:3]) / 3
+
+
+def test_train_rejects_a_dataset_smaller_than_one_effective_batch(config):
+    with pytest.raises(ValueError, match="fewer than one effective batch"):
+        qlora.train(config, qlora.Recipe(accum=4), qlora.counting_dataset(2, 8, 16), max_steps=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The exercise's check
+# ---------------------------------------------------------------------------------------------------
+
+def test_check_fit_in_budget_measures_and_fails_with_hints(config):
+    from course_lib import checks
+
+    def wrong_batch(config, budget, effective_batch, seq):
+        return qlora.Recipe(batch=2, accum=1, seq=seq)
+
+    def no_tricks(config, budget, effective_batch, seq):
+        return qlora.Recipe(seq=seq, batch=effective_batch, accum=1).all_off()
+
+    def every_trick(config, budget, effective_batch, seq):
+        return qlora.Recipe(seq=seq, batch=1, accum=effective_batch)
+
+    with pytest.raises(AssertionError, match="effective batch"):
+        checks.check_fit_in_budget(wrong_batch, config, 2**30, effective_batch=4, seq=32)
+    with pytest.raises(AssertionError, match="over the budget"):
+        checks.check_fit_in_budget(no_tricks, config, 4 * 2**20, effective_batch=4, seq=32)
+    with pytest.raises(AssertionError, match="return a qlora.Recipe"):
+        checks.check_fit_in_budget(lambda *a: None, config, 2**30, effective_batch=4, seq=32)
+    checks.check_fit_in_budget(every_trick, config, 2**30, effective_batch=4, seq=32)
