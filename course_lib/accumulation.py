@@ -1363,7 +1363,7 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from course_lib.measure import LiveStorageTracker, SavedTensorRecorder, optimizer_state_tensors, storage_bytes
+    from course_lib.measure import SavedTensorRecorder, optimizer_state_tensors, peak_bytes, storage_bytes
 
     device = torch.device(device) if device is not None else torch.device("cpu")
     for b in micro_batches:
@@ -1410,20 +1410,7 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
         opt.zero_grad(set_to_none=True)
         params = list(model.parameters())
         data = [t for pair in micro for t in pair]
-        if device.type == "cuda":
-            sync()
-            torch.cuda.reset_peak_memory_stats(device)
-            step()
-            sync()
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            tracker = LiveStorageTracker()
-            for t in params + optimizer_state_tensors(opt) + data:
-                tracker.watch(t)
-            with tracker:
-                tracker.set_phase("step")
-                step()
-            peak = tracker.peak
+        peak = peak_bytes(step, params + optimizer_state_tensors(opt) + data, device)
         with SavedTensorRecorder(params) as saved_by_one_micro_batch:
             F.mse_loss(model(micro[0][0]), micro[0][1])
         rows.append(CostRow(micro_batch=b, k=len(micro), flops=int(counter.get_total_flops()),

@@ -262,6 +262,28 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
         reserved=reserved, outside_pytorch=outside, timeline=timeline)
 
 
+def peak_bytes(step: Callable[[], None], live: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Peak bytes while `step()` runs: a whole accumulation window, say, where `measure_step` covers
+    one micro-batch (lessons 2 and 5).
+
+    On CPU the live-storage tracker counts the `live` tensors (model, optimizer state, batch) and
+    everything created during the step; on CUDA it is the caching allocator's peak, process-wide.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    tracker = LiveStorageTracker()
+    for tensor in live:
+        tracker.watch(tensor)
+    with tracker:
+        tracker.set_phase("step")
+        step()
+    return tracker.peak
+
+
 def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: SavedTensorRecorder) -> None:
     begin("forward")
     with recorder:

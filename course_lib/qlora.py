@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from course_lib.device import DtypePolicy, dtype_policy
-from course_lib.measure import LiveStorageTracker, MiB, format_bytes, optimizer_state_tensors
+from course_lib.measure import MiB, format_bytes, optimizer_state_tensors, peak_bytes
 from course_lib.memory import Setup, plan
 
 OPTIMS = ("paged_adamw_8bit", "adamw_8bit", "adamw_torch")
@@ -410,20 +410,11 @@ def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
     PyTorch's allocator: its bytes are added, as they occupy the GPU while the optimizer runs.
     """
     optimizer.zero_grad(set_to_none=True)
+    state = optimizer_state_tensors(optimizer)
+    peak = peak_bytes(step, [*model.parameters(), *model.buffers(), *state, ids], device)
     if device.type == "cuda":
-        paged = sum(t.numel() * t.element_size() for t in optimizer_state_tensors(optimizer)
-                    if getattr(t, "is_paged", False))
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) + paged
-    tracker = LiveStorageTracker()
-    for tensor in [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), ids]:
-        tracker.watch(tensor)
-    with tracker:
-        step()
-    return tracker.peak
+        peak += sum(t.numel() * t.element_size() for t in state if getattr(t, "is_paged", False))
+    return peak
 
 
 def _catalog_gpu(device: torch.device):

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib.measure import (LiveStorageTracker, StepMemory, format_bytes, measure_step, profiler_peak,
+from course_lib.measure import (LiveStorageTracker, StepMemory, format_bytes, measure_step, peak_bytes, profiler_peak,
                                 storage_bytes)
 
 
@@ -154,3 +154,14 @@ def test_cuda_categories_equal_cpu_and_peak_bounds_them():
         assert getattr(gpu, name) == getattr(cpu, name)
     assert gpu.peak >= gpu.parameters + gpu.gradients + gpu.optimizer_state
     assert gpu.reserved >= gpu.peak and gpu.outside_pytorch > 0
+
+
+def test_peak_bytes_counts_the_live_tensors_and_what_the_step_creates():
+    kept = torch.ones(100)
+
+    def step():
+        temporary = torch.ones(1000)
+        del temporary
+        torch.ones(10)
+
+    assert peak_bytes(step, [kept], torch.device("cpu")) == 100 * 4 + 1000 * 4
