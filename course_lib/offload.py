@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-MiB, GiB = 2**20, 2**30
+from course_lib.measure import GiB, MiB
+
 DEMO_OPTIMIZERS = ("adamw", "paged_adamw_32bit", "paged_adamw_8bit", "cpu_offload_adamw")
 
 

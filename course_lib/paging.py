@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-KiB, MiB, GiB = 2**10, 2**20, 2**30
+from course_lib.measure import GiB, KiB, MiB
+
 GB = 10**9
 VA_BLOCK = 2 * MiB          # UVM VA block: the driver's unit of fault servicing and prefetch growth
 ROOT_CHUNK = 2 * MiB        # the driver's unit of eviction
