@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.measure import format_bytes, MiB, optimizer_state_tensors, peak_bytes, SavedTensorRecorder, storage_bytes
+
 IGNORE_INDEX = -100
 
 Batch = Any  # a tuple (inputs, targets) or a dict of tensors (input_ids, attention_mask, labels)
@@ -1363,7 +1365,6 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from course_lib.measure import SavedTensorRecorder, optimizer_state_tensors, peak_bytes, storage_bytes
 
     device = torch.device(device) if device is not None else torch.device("cpu")
     for b in micro_batches:
@@ -1423,7 +1424,6 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
 
 def format_cost_table(rows: Sequence[CostRow]) -> str:
     """The cost rows as a text table, with time and peak memory relative to the largest micro-batch."""
-    from course_lib.measure import format_bytes
 
     base = max(rows, key=lambda r: r.micro_batch)
     lines = [f"{'micro':>5} {'K':>4} {'GFLOP/step':>10} {'ms/step':>9} {'x time':>7} {'peak':>11} {'x peak':>7} "
@@ -1441,7 +1441,6 @@ def plot_accumulation_cost(rows: Sequence[CostRow], title: str | None = None):
     """Two panels: time per optimizer step and peak memory (split by category) vs micro-batch size."""
     import matplotlib.pyplot as plt
 
-    from course_lib.measure import MiB
 
     rows = sorted(rows, key=lambda r: r.micro_batch)
     sizes = [r.micro_batch for r in rows]

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from course_lib.measure import format_bytes, LiveStorageTracker, measure_step, MiB, storage_bytes, unique_storages
+
 PLAN_NAMES = ("none", "every-layer", "sqrt", "every-K")
 
 
@@ -370,7 +372,6 @@ def optimal_plan(saved_bytes: Sequence[int], input_bytes: Sequence[int], budget_
 
 
 def _fmt(n: int | float) -> str:
-    from course_lib.measure import format_bytes
 
     return format_bytes(n)
 
@@ -653,7 +654,6 @@ def assert_gradients_flow(model: nn.Module, batch, loss_fn: Callable | None = No
 def _storage_keys(obj) -> set:
     from torch.utils._pytree import tree_flatten
 
-    from course_lib.measure import unique_storages
 
     tensors = [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
     return set(unique_storages(tensors))
@@ -732,7 +732,6 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from course_lib.measure import LiveStorageTracker, storage_bytes, unique_storages
 
     layers = list(stack if stack is not None else find_layer_stack(model))
     n = len(layers)
@@ -927,7 +926,6 @@ def measure_plan(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs: 
     `profile` defaults to `profile_stack(model, loss_fn, inputs)`. To compare times between plans,
     prefer `measure_tradeoff` or `time_plans`, which interleave the plans' runs.
     """
-    from course_lib.measure import measure_step
 
     layers = stack if stack is not None else find_layer_stack(model)
     inputs = list(inputs)
@@ -991,7 +989,6 @@ def default_plans(profile: StackProfile) -> dict[str, list[int]]:
 def format_tradeoff(rows: Sequence[PlanMeasurement], title: str = "") -> str:
     """The trade-off as a text table: peaks in MiB, errors in %, time relative to the first row
     (lesson 3, "the measured trade-off")."""
-    from course_lib.measure import MiB
 
     base = rows[0].step_seconds if rows and rows[0].step_seconds == rows[0].step_seconds else None
     lines = [title] if title else []

@@ -32,8 +32,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from course_lib import checkpointing
 from course_lib.measure import GiB, MiB, format_bytes
-from course_lib.models import ModelSpec, ParamInfo, model_spec
+from course_lib.models import build_model, model_spec, ModelNotFound, ModelSpec, ParamInfo
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16")
 OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion")
@@ -164,10 +165,9 @@ class Setup:
         if self.quant != "none" and self.precision.startswith("mixed"):
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
-        from course_lib.checkpointing import plan_boundaries
 
         try:
-            plan_boundaries(4, self.checkpointing)
+            checkpointing.plan_boundaries(4, self.checkpointing)
         except ValueError as error:
             raise PlanError(str(error)) from None
         return self
@@ -533,7 +533,6 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
 
 
 def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
-    from course_lib.models import build_model
 
     config = copy.deepcopy(spec.config)
     config.use_cache = False
@@ -832,12 +831,12 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
 
 def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
     """The most a step adds on top of all model states (activations, temporaries), and details."""
-    from course_lib.checkpointing import plan_boundaries, plan_cost
 
     trace = trace_step(spec, setup, target)
     n = len(trace.saved)
-    none = plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
-    chosen = plan_cost(trace.saved, trace.inputs, plan_boundaries(n, setup.checkpointing), output_bytes=trace.output)
+    none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
+    boundaries = checkpointing.plan_boundaries(n, setup.checkpointing)
+    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, boundaries, output_bytes=trace.output)
     held_change = chosen.forward_bytes - none.forward_bytes   # <= 0: what checkpointing drops
     peak_change = chosen.peak_bytes - none.peak_bytes
     grads = states.gradients
@@ -950,7 +949,6 @@ def default_precision(gpu: GPU | None, quant: str = "none") -> str:
 def plan_from_cli(model: str | None, *, params: str | None = None, precision: str | None = None,
                   gpu: str | None = None, **options) -> Plan:
     """`course-lib plan`: a model name/config or --params, and the options (lesson 1)."""
-    from course_lib.models import ModelNotFound
 
     if (model is None) == (params is None):
         raise PlanError("give a model (bundled name or config.json) or --params N, not both"

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from course_lib.measure import GiB, MiB
+from course_lib.paging import params_from_module, TrainingSetup
 
 DEMO_OPTIMIZERS = ("adamw", "paged_adamw_32bit", "paged_adamw_8bit", "cpu_offload_adamw")
 
@@ -299,7 +300,6 @@ def mlp(hidden: int, layers: int, device: str | torch.device = "cpu") -> torch.n
 def mlp_setup(shape: dict[str, int], optimizer: str = "paged_adamw_32bit"):
     """The simulator's `TrainingSetup` for `mlp(**shape)` (lesson 4): its parameters by name and the
     activations it saves per token (one hidden-sized fp32 vector per layer, plus the input)."""
-    from course_lib.paging import TrainingSetup, params_from_module
 
     params = params_from_module(mlp(shape["hidden"], shape["layers"], "meta"))
     return TrainingSetup(tuple(params), optimizer,

@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from course_lib.checkpointing import hf_checkpointing
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.measure import MiB, format_bytes, optimizer_state_tensors, peak_bytes
-from course_lib.memory import Setup, plan
+from course_lib.memory import GPU, plan, Setup
+from course_lib.models import build_model as meta_model, load_config, spec_from_model
 
 OPTIMS = ("paged_adamw_8bit", "adamw_8bit", "adamw_torch")
 # The Trainer's `optim` names and the planner's names for the same optimizer.
@@ -127,7 +129,6 @@ def tiny_llama_config(hidden: int = 256, layers: int = 2, heads: int = 8, kv_hea
 
 def llama_1b_config():
     """Llama 3.2 1B's architecture (the bundled config.json): the 1B-class CUDA configuration."""
-    from course_lib.models import load_config
 
     config = load_config("llama-3.2-1b")
     config.use_cache = False
@@ -204,7 +205,6 @@ def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", poli
 
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         if recipe.checkpointing:
-            from course_lib.checkpointing import hf_checkpointing
 
             hf_checkpointing(model, True, use_reentrant=False)
         if recipe.lora_rank:
@@ -319,8 +319,6 @@ def planner_setup(recipe: Recipe, policy: DtypePolicy) -> Setup:
 
 def predict(config, recipe: Recipe, policy: DtypePolicy | None = None, gpu=None):
     """The planner's prediction for a recipe (`course_lib.memory.plan`), as a Plan (lesson 5)."""
-    from course_lib.models import build_model as meta_model
-    from course_lib.models import spec_from_model
 
     policy = policy or dtype_policy(torch.device("cpu"))
     spec = spec_from_model(meta_model(config), getattr(config, "model_type", "model"), config)
@@ -418,7 +416,6 @@ def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
 
 
 def _catalog_gpu(device: torch.device):
-    from course_lib.memory import GPU
 
     props = torch.cuda.get_device_properties(device)
     return GPU(props.name, props.total_memory, (props.major, props.minor))
