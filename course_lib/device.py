@@ -48,14 +48,20 @@ class DtypePolicy:
 
 
 def dtype_policy(device: torch.device | None = None) -> DtypePolicy:
-    """Pick the training precision for a device (lesson 0, "Setup"; lesson 5 explains it).
+    """Pick the training precision for a device (lesson 0, "Setup"; lesson 5 explains it): the
+    policy for its compute capability, `policy_for_capability`."""
+    device = torch.device(device) if device is not None else pick_device()
+    return policy_for_capability(compute_capability(device))
+
+
+def policy_for_capability(capability: tuple[int, int] | None) -> DtypePolicy:
+    """The training precision for a compute capability; None is a CPU (lesson 5, "the T4 recipe").
 
     bf16 only at compute capability >= 8.0 (Ampere and newer). A T4 (7.5) has no bf16 hardware even
     when `torch.cuda.is_bf16_supported()` says True (emulation), so it gets fp16 autocast with fp32
     trainable parameters and a GradScaler. The CPU trains in fp32 so that every byte count is exact.
+    Asking for (7, 5) on a larger GPU runs the T4's recipe there (benchmarks/gpu_qlora.py --as-t4).
     """
-    device = torch.device(device) if device is not None else pick_device()
-    capability = compute_capability(device)
     if capability is None:
         return DtypePolicy(torch.float32, None, False, "CPU: fp32 throughout, exact and simple")
     if capability >= (8, 0):

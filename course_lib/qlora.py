@@ -17,8 +17,8 @@ statistics) and predicted by
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
-import math
 import statistics
 import tempfile
 import time
@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 from course_lib.checkpointing import hf_checkpointing
-from course_lib.device import DtypePolicy, dtype_policy
+from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
 from course_lib.measure import MiB, format_bytes, optimizer_state_tensors, peak_bytes
-from course_lib.memory import GPU, plan, Setup
+from course_lib.memory import CUDA_CONTEXT_BYTES, GPU, get_gpu, plan, Setup
 from course_lib.models import build_model as meta_model, load_config, spec_from_model
+from course_lib.offload import release_paged_state
 
 OPTIMS = ("paged_adamw_8bit", "adamw_8bit", "adamw_torch")
 # The Trainer's `optim` names and the planner's names for the same optimizer.
@@ -268,8 +269,9 @@ class TrainResult:
 
 
 def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learning_rate: float = 2e-3,
-          device: str | torch.device = "cpu") -> TrainResult:
-    """Fine-tune with Hugging Face's Trainer and return the loss of every optimizer step (lesson 5)."""
+          device: str | torch.device = "cpu", policy: DtypePolicy | None = None) -> TrainResult:
+    """Fine-tune with Hugging Face's Trainer and return the loss of every optimizer step (lesson 5).
+    `policy` defaults to the device's (`course_lib.device.dtype_policy`)."""
     from transformers import PrinterCallback, Trainer
 
     if max_steps < 1:
@@ -277,9 +279,10 @@ def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learni
     if len(dataset) < recipe.effective_batch:
         raise ValueError(f"the dataset has {len(dataset)} rows, fewer than one effective batch "
                          f"({recipe.effective_batch})")
-    model = build_model(config, recipe, device)
+    model = build_model(config, recipe, device, policy)
     with tempfile.TemporaryDirectory() as folder, _quiet():
-        args = training_arguments(recipe, folder, max_steps=max_steps, learning_rate=learning_rate, device=device)
+        args = training_arguments(recipe, folder, max_steps=max_steps, learning_rate=learning_rate, device=device,
+                                  policy=policy)
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
         trainer.remove_callback(PrinterCallback)  # the losses are returned, not printed
         start = time.perf_counter()
@@ -331,10 +334,11 @@ class Row:
 
     label: str
     recipe: Recipe
-    measured_peak: int | None  # None: not run, the planner predicted it would not fit the device
+    measured_peak: int | None  # None: not measured, `status` says why
     predicted_peak: int
     step_ms: float | None
     trainable: int
+    status: str = "measured"  # or "predicted not to fit", "out of memory"
 
     @property
     def error(self) -> float | None:
@@ -345,18 +349,37 @@ class Row:
 
 
 def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *, timed_steps: int = 1,
-                   label: str = "") -> Row:
+                   label: str = "", policy: DtypePolicy | None = None, gpu: GPU | None = None) -> Row:
     """Build the recipe's model, run one optimizer step unmeasured (the optimizer state appears), time
     whole optimizer steps (accum micro-batches and the update), then measure the peak of one more,
-    beside the planner's prediction of the same recipe (lesson 5)."""
+    beside the planner's prediction of the same recipe (lesson 5).
+
+    On CUDA, a recipe the planner predicts not to fit `gpu` (default: the device itself) is not run,
+    and one that runs out of memory is reported as such. `policy` and `gpu` default to the device's;
+    those `emulate_t4()` returns run the T4 recipe on a larger GPU (benchmarks/gpu_qlora.py --as-t4).
+    """
     recipe.validate()
     device = torch.device(device)
-    policy = dtype_policy(device)
-    gpu = _catalog_gpu(device) if device.type == "cuda" else None
+    if gpu is not None and device.type != "cuda":
+        raise ValueError("gpu= sets the memory a CUDA run may use: it needs device='cuda'")
+    policy = policy or dtype_policy(device)
+    if device.type == "cuda":
+        gpu = gpu or _catalog_gpu(device)
     predicted = predict(config, recipe, policy, gpu=gpu)
     predicted_peak = predicted.total - predicted.bytes["overhead"]
-    if gpu is not None and predicted.total > 0.95 * torch.cuda.mem_get_info(device)[0]:
-        return Row(label or recipe.describe(), recipe, None, predicted_peak, None, predicted.trainable_params)
+    label = label or recipe.describe()
+    if gpu is not None and predicted.total > 0.95 * min(gpu.memory_bytes, torch.cuda.mem_get_info(device)[0]):
+        return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "predicted not to fit")
+    try:
+        return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak)
+    except torch.cuda.OutOfMemoryError:
+        pass  # leave the except block first: its traceback holds the model and the optimizer
+    _release_cuda_memory()
+    return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "out of memory")
+
+
+def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, timed_steps: int, label: str,
+             predicted_peak: int) -> Row:
     model = build_model(config, recipe, device, policy)
     optimizer = make_optimizer(model, recipe.optim)
     scaler = torch.amp.GradScaler(device.type) if policy.grad_scaler else None
@@ -394,9 +417,16 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model, optimizer
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return Row(label or recipe.describe(), recipe, measured, predicted_peak,
-               1000 * statistics.median(times), trainable)
+        _release_cuda_memory()
+    return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times), trainable)
+
+
+def _release_cuda_memory() -> None:
+    """Give the next recipe a clean GPU: the cached blocks, and the paged optimizer state that
+    bitsandbytes never frees (`offload.release_paged_state`, lesson 4)."""
+    gc.collect()
+    release_paged_state()
+    torch.cuda.empty_cache()
 
 
 def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
@@ -415,6 +445,19 @@ def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
     return peak
 
 
+def emulate_t4(device: str | torch.device = "cuda") -> tuple[DtypePolicy, GPU]:
+    """Make a larger CUDA GPU behave like Colab's T4 for lesson 5's recipe: cap this process's caching
+    allocator at the T4's visible memory less the CUDA context, and return the T4's precision policy
+    (fp16 autocast + GradScaler) and catalog entry, for `measure_recipe`, `ablation` and `train`."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError("emulate_t4 caps a CUDA GPU's memory: it needs a CUDA GPU")
+    t4 = get_gpu("t4")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (t4.memory_bytes - CUDA_CONTEXT_BYTES) / total), device)
+    return policy_for_capability(t4.compute_capability), t4
+
+
 def _catalog_gpu(device: torch.device):
 
     props = torch.cuda.get_device_properties(device)
@@ -422,9 +465,9 @@ def _catalog_gpu(device: torch.device):
 
 
 def ablation(config, recipe: Recipe | None = None, device: str | torch.device = "cpu", *,
-             timed_steps: int = 1) -> list[Row]:
+             timed_steps: int = 1, policy: DtypePolicy | None = None, gpu: GPU | None = None) -> list[Row]:
     """Each trick switched off in turn, then all off, measured and predicted (lesson 5, "what each
-    trick buys")."""
+    trick buys"). `policy` and `gpu` as in `measure_recipe`."""
     recipe = (recipe or Recipe()).validate()
     cases = [("all tricks on", recipe)]
     names = {"nf4": "no 4-bit base (16/32-bit base)", "checkpointing": "no checkpointing",
@@ -436,7 +479,8 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
         if off != recipe:
             cases.append((names[trick], off))
     cases.append(("all tricks off", recipe.all_off()))
-    return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label) for label, r in cases]
+    return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
+            for label, r in cases]
 
 
 def format_ablation(rows: list[Row]) -> str:
@@ -447,8 +491,7 @@ def format_ablation(rows: list[Row]) -> str:
              f"{'x all-on':>8}  {'step ms':>8}"]
     for r in rows:
         if r.measured_peak is None:
-            lines.append(f"{r.label:<{width}}  {'not run':>10}  {format_bytes(r.predicted_peak):>10}  "
-                         "(predicted not to fit this GPU)")
+            lines.append(f"{r.label:<{width}}  {'-':>10}  {format_bytes(r.predicted_peak):>10}  ({r.status})")
             continue
         lines.append(f"{r.label:<{width}}  {format_bytes(r.measured_peak):>10}  {format_bytes(r.predicted_peak):>10}"
                      f"  {r.error:>+6.1%}  {r.measured_peak / head:>8.2f}  {r.step_ms:>8.0f}")
@@ -459,15 +502,18 @@ _CHILD = """
 import json, sys, torch
 from course_lib import qlora
 config = qlora.llama_1b_config() if sys.argv[1] == "1b" else qlora.tiny_llama_config()
-row = qlora.measure_recipe(config, qlora.Recipe(seq=int(sys.argv[2]), accum=int(sys.argv[3])), "cuda")
+policy, gpu = qlora.emulate_t4() if sys.argv[4] == "t4" else (None, None)
+row = qlora.measure_recipe(config, qlora.Recipe(seq=int(sys.argv[2]), accum=int(sys.argv[3])), "cuda",
+                           policy=policy, gpu=gpu)
 print(json.dumps({"allocated": row.measured_peak, "reserved": torch.cuda.max_memory_reserved()}))
 """
 
 
-def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4) -> dict[str, dict[str, int]]:
+def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4, *,
+                               as_t4: bool = False) -> dict[str, dict[str, int]]:
     """Peak allocated and reserved bytes of the all-tricks-on recipe with
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and :True, each in a fresh process (the setting
-    is read at the first CUDA call), CUDA only (lesson 5)."""
+    is read at the first CUDA call), CUDA only (lesson 5). `as_t4`: under `emulate_t4`."""
     import json
     import os
     import subprocess
@@ -480,13 +526,13 @@ def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4
     found = {}
     for value in ("False", "True"):
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"expandable_segments:{value}")
-        done = subprocess.run([sys.executable, "-c", _CHILD, model, str(seq), str(accum)], env=env,
+        done = subprocess.run([sys.executable, "-c", _CHILD, model, str(seq), str(accum), "t4" if as_t4 else "native"], env=env,
                               capture_output=True, text=True, check=True)
         found[value] = json.loads(done.stdout.strip().splitlines()[-1])
     return found
 
 
 __all__ = ["Recipe", "RecipeError", "Row", "TRICKS", "ablation", "build_model", "counting_dataset",
-           "expandable_segments_effect",
+           "emulate_t4", "expandable_segments_effect",
            "format_ablation", "llama_1b_config", "make_optimizer", "measure_recipe", "planner_setup",
            "predict", "tiny_llama_config", "train", "training_arguments", "MiB"]

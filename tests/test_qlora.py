@@ -124,6 +124,37 @@ def test_planner_within_ten_percent_and_tricks_save_memory(config):
     assert on.trainable == no_quant.trainable < off.trainable
 
 
+def test_rows_that_cannot_run_on_the_gpu_say_why(config, monkeypatch):
+    """On CUDA a recipe predicted not to fit is skipped, and an out-of-memory error becomes a row: the
+    control flow, checked on the CPU with the CUDA calls replaced."""
+    from course_lib.memory import GPU, get_gpu
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**40, 2**40))
+    tiny = GPU("tiny", 2**20, (7, 5))  # 1 MiB: less than the CUDA context the planner adds
+    skipped = qlora.measure_recipe(config, qlora.Recipe(), "cuda", gpu=tiny, policy=T4)
+    assert skipped.status == "predicted not to fit" and skipped.measured_peak is None and skipped.error is None
+
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(qlora, "_measure", out_of_memory)
+    failed = qlora.measure_recipe(config, qlora.Recipe(), "cuda", gpu=get_gpu("t4"), policy=T4, label="on")
+    assert failed.status == "out of memory" and failed.measured_peak is None
+    assert failed.predicted_peak == skipped.predicted_peak  # the same recipe and policy, predicted alike
+    table = qlora.format_ablation([failed, skipped])
+    assert "(out of memory)" in table and "(predicted not to fit)" in table
+
+
+def test_gpu_settings_need_cuda(config):
+    from course_lib.memory import get_gpu
+
+    with pytest.raises(ValueError, match="needs device='cuda'"):
+        qlora.measure_recipe(config, qlora.Recipe(), "cpu", gpu=get_gpu("t4"))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            qlora.emulate_t4()
+
+
 def test_trainer_loss_decreases(config):
     data = qlora.counting_dataset(32, 32, 16)
     result = qlora.train(config, qlora.Recipe(seq=32, accum=2), data, max_steps=8, learning_rate=1e-2)
