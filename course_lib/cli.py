@@ -35,7 +35,7 @@ def _make_exercises(args: argparse.Namespace) -> int:
 def _grade(args: argparse.Namespace) -> int:
     from course_lib.exercises import grade
 
-    return grade(args.notebooks)
+    return grade(args.notebooks, args.csv)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(run=_make_exercises)
 
     grade = commands.add_parser("grade", help="run notebooks under nbval and summarise each exercise")
-    grade.add_argument("notebooks", nargs="+", help="notebooks (.ipynb) to grade; they are not modified")
+    grade.add_argument("notebooks", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
+                       help="notebooks (.ipynb), or folders of them (e.g. one per learner); not modified")
+    grade.add_argument("--csv", metavar="FILE", help="also write a gradebook: one row per notebook and exercise")
     grade.set_defaults(run=_grade)
 
     plan = commands.add_parser("plan", help="predict the memory of a training step and whether it fits a GPU")

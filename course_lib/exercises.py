@@ -3,13 +3,15 @@
 solutions/ is the single source: each answer sits between `### BEGIN SOLUTION` and
 `### END SOLUTION` lines. `write_exercises` turns every solution notebook into an exercise (stubs, no
 outputs, the Colab badge pointing at the exercise) and never overwrites an exercise that was edited
-since it was generated. `grade` runs a notebook under nbval (lax) without modifying it and reports
-each exercise's check cell.
+since it was generated. `grade` runs notebooks (or every notebook under a folder of submissions)
+under nbval (lax) without modifying them, reports each exercise's check cell and can write a CSV
+gradebook.
 """
 
 from __future__ import annotations
 
 import copy
+import csv
 import hashlib
 import json
 import re
@@ -192,10 +194,28 @@ def exercise_checks(notebook: nbformat.NotebookNode) -> dict[int, str]:
     return labels
 
 
-def grade(paths: list[str]) -> int:
-    """Grade notebooks: print PASS/FAIL per exercise with the check's hint; 0 only when all pass."""
-    notebooks = [(Path(p), _load_notebook(Path(p))) for p in paths]  # all inputs checked before running
-    all_passed = True
+def notebooks_to_grade(paths: list[str]) -> list[Path]:
+    """Each notebook named, and every notebook under each folder named (a class's submissions, one
+    folder per learner, say), in order; Jupyter's .ipynb_checkpoints copies are skipped."""
+    found = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+            if not inside:
+                raise UserError(f"{path}: no notebooks (.ipynb) in this folder")
+            found += inside
+        else:
+            found.append(path)
+    return found
+
+
+def grade(paths: list[str], csv_path: str | None = None) -> int:
+    """Grade notebooks and folders of notebooks: print PASS/FAIL per exercise with the check's hint,
+    and write one CSV row per exercise to `csv_path` when given (a gradebook); 0 only when all pass."""
+    if csv_path is not None and Path(csv_path).suffix == ".ipynb":
+        raise UserError(f"{csv_path}: the gradebook is a .csv file, not a notebook")
+    notebooks = [(path, _load_notebook(path)) for path in notebooks_to_grade(paths)]  # all read first
+    rows = []  # (notebook, exercise, PASS/FAIL, detail)
     for path, notebook in notebooks:
         print(f"Grading {path}")
         checks = exercise_checks(notebook)
@@ -203,17 +223,24 @@ def grade(paths: list[str]) -> int:
         for index, label in checks.items():
             result = results.get(index)
             if result is None or result.outcome == "skipped":
-                print(f"  FAIL  {label}: did not run")
-                all_passed = False
+                rows.append((path, label, "FAIL", "did not run"))
             elif result.outcome == "failed":
-                print(f"  FAIL  {label}: {result.message}")
-                all_passed = False
+                rows.append((path, label, "FAIL", result.message))
             else:
-                print(f"  PASS  {label}")
+                rows.append((path, label, "PASS", ""))
         others = [r for i, r in sorted(results.items()) if i not in checks and r.outcome == "failed"]
-        for result in others:
-            print(f"  FAIL  code cell {result.index} (not a check): {result.message}")
-        all_passed &= not others
+        rows += [(path, f"code cell {r.index} (not a check)", "FAIL", r.message) for r in others]
+        for _, label, outcome, detail in (row for row in rows if row[0] == path):
+            print(f"  {outcome}  {label}" + (f": {detail}" if detail else ""))
         passed = sum(1 for i in checks if i in results and results[i].outcome == "passed")
         print(f"  {passed} of {len(checks)} exercises passed" + (f"; {len(others)} other cells failed" if others else ""))
-    return 0 if all_passed else 1
+    if len(notebooks) > 1:
+        passed = sum(1 for row in rows if row[2] == "PASS")
+        print(f"{len(notebooks)} notebooks graded: {passed} of {len(rows)} checks passed")
+    if csv_path is not None:
+        with open(csv_path, "w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["notebook", "exercise", "result", "detail"])
+            writer.writerows((str(path), label, outcome, detail) for path, label, outcome, detail in rows)
+        print(f"gradebook: {csv_path}")
+    return 0 if all(row[2] == "PASS" for row in rows) else 1

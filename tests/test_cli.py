@@ -18,12 +18,16 @@ def snapshot(folder: Path) -> dict:
     (["grade", "notes.txt"], "notes.txt: not a notebook (.ipynb)"),
     (["grade", "broken.ipynb"], "broken.ipynb: not a readable notebook"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["grade"], "the following arguments are required: notebooks"),
+    (["grade", "empty"], "empty: no notebooks (.ipynb) in this folder"),
+    (["grade", "empty", "--csv", "grades.ipynb"], "grades.ipynb: the gradebook is a .csv file"),
+    (["grade"], "the following arguments are required: NOTEBOOK_OR_FOLDER"),
     (["make-exercises"], "no notebooks in solutions/"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, says):
     (tmp_path / "notes.txt").write_text("not a notebook")
     (tmp_path / "broken.ipynb").write_text("{ this is not json")
+    (tmp_path / "empty" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "empty" / ".ipynb_checkpoints" / "old-checkpoint.ipynb").write_text("{}")
     before = snapshot(tmp_path)
     result = subprocess.run([COURSE_LIB, *args], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2

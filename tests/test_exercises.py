@@ -1,5 +1,6 @@
 """The exercise pipeline: generation from solutions/, protection of learners' work, grading (README)."""
 
+import csv
 import json
 import shutil
 import subprocess
@@ -102,14 +103,28 @@ def test_unsolved_exercise_fails_only_at_its_check_cells(solution):
     assert failed == set(checks)
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_grading_passes_a_solution_and_fails_its_exercise(solution):
-    solved = course_lib("grade", f"solutions/{solution.name}")
-    assert solved.returncode == 0, solved.stdout + solved.stderr
-    assert "FAIL" not in solved.stdout and "PASS  Exercise" in solved.stdout
-    unsolved = course_lib("grade", f"exercises/{solution.name}")
-    assert unsolved.returncode == 1
-    assert "FAIL  Exercise" in unsolved.stdout and "NotImplementedError" in unsolved.stdout
+def test_grading_a_folder_of_submissions_passes_solutions_fails_exercises_and_writes_a_gradebook(tmp_path):
+    """An instructor's run: one folder per learner, one solved and one untouched; every notebook is
+    graded once, and each (notebook, exercise) is one row of the CSV gradebook."""
+    solved, unsolved = tmp_path / "submissions" / "ada", tmp_path / "submissions" / "bob"
+    shutil.copytree(ROOT / "solutions", solved)
+    shutil.copytree(ROOT / "exercises", unsolved, ignore=shutil.ignore_patterns(".*"))
+    (solved / ".ipynb_checkpoints").mkdir()  # Jupyter's autosaves are not submissions
+    shutil.copy(ROOT / "exercises" / SOLUTIONS[0].name, solved / ".ipynb_checkpoints" / "x-checkpoint.ipynb")
+    result = course_lib("grade", "submissions", "--csv", "grades.csv", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    with open(tmp_path / "grades.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    checks = {s.name: exercise_checks(nbformat.read(s, as_version=4)) for s in SOLUTIONS}
+    expected = {(f"submissions/{learner}/{name}", label) for learner in ("ada", "bob")
+                for name, labels in checks.items() for label in labels.values()}
+    assert {(row["notebook"], row["exercise"]) for row in rows} == expected and len(rows) == len(expected)
+    for row in rows:
+        if "/ada/" in row["notebook"]:
+            assert row["result"] == "PASS" and row["detail"] == "", row
+        else:
+            assert row["result"] == "FAIL" and "NotImplementedError" in row["detail"], row
+    assert f"{2 * len(SOLUTIONS)} notebooks graded: {len(expected) // 2} of {len(expected)} checks passed" in result.stdout
 
 
 def test_grading_does_not_modify_the_notebook():
