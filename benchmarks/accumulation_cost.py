@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from course_lib.accumulation import format_cost_table, measure_accumulation_cost, plot_accumulation_cost  # noqa: E402
+from course_lib.accumulation import format_cost_table, measure_accumulation_cost  # noqa: E402
+from course_lib.plots import plot_accumulation_cost  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

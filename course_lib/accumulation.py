@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.measure import format_bytes, MiB, optimizer_state_tensors, peak_bytes, SavedTensorRecorder, storage_bytes
+from course_lib.measure import format_bytes, optimizer_state_tensors, peak_bytes, SavedTensorRecorder, storage_bytes
 
 IGNORE_INDEX = -100
 
@@ -1435,37 +1435,3 @@ def format_cost_table(rows: Sequence[CostRow]) -> str:
                      f"{r.peak_bytes / base.peak_bytes:>7.2f} {format_bytes(r.saved_per_micro_batch):>11} "
                      f"{format_bytes(fixed):>18}")
     return "\n".join(lines)
-
-
-def plot_accumulation_cost(rows: Sequence[CostRow], title: str | None = None):
-    """Two panels: time per optimizer step and peak memory (split by category) vs micro-batch size."""
-    import matplotlib.pyplot as plt
-
-
-    rows = sorted(rows, key=lambda r: r.micro_batch)
-    sizes = [r.micro_batch for r in rows]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_t.plot(sizes, [r.ms_per_step for r in rows], "o-")
-    ax_t.set_xscale("log", base=2)
-    ax_t.set_xticks(sizes, [str(s) for s in sizes])
-    ax_t.minorticks_off()
-    ax_t.set_xlabel("micro-batch size (samples), effective batch fixed")
-    ax_t.set_ylabel("time per optimizer step (ms)")
-    ax_t.set_ylim(bottom=0)
-    flops = {r.flops for r in rows}
-    ax_t.set_title("same FLOPs per step" if len(flops) == 1 else "FLOPs differ")
-    fixed = [(r.parameters + r.gradients + r.optimizer_state) / MiB for r in rows]
-    data = [r.inputs / MiB for r in rows]
-    rest = [max(r.peak_bytes / MiB - f - d, 0.0) for r, f, d in zip(rows, fixed, data)]
-    positions = range(len(rows))
-    ax_m.bar(positions, fixed, label="parameters + gradients + Adam state")
-    ax_m.bar(positions, data, bottom=fixed, label="the window's data")
-    ax_m.bar(positions, rest, bottom=[f + d for f, d in zip(fixed, data)], label="activations and temporaries")
-    ax_m.set_xticks(list(positions), [str(s) for s in sizes])
-    ax_m.set_xlabel("micro-batch size (samples)")
-    ax_m.set_ylabel("peak memory of one step (MiB)")
-    ax_m.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    return fig

@@ -484,24 +484,3 @@ def runs_table(runs: dict[str, dict]) -> str:
                      f"{last['allocated'] / GiB:>8.2f}Gi {last['reserved'] / GiB:>8.2f}Gi "
                      f"{last['used'] / GiB:>8.2f}Gi {last['managed_resident'] / GiB:>8.2f}Gi")
     return "\n".join(lines)
-
-
-def plot_prefetch_timeline(entries: Sequence[TimelineEntry | dict], ax=None):
-    """Prefetch and update of each parameter inside one `optimizer.step()` (lesson 4): milliseconds (x)
-    against the parameter's number (y)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3))
-    rows = [e if isinstance(e, dict) else asdict(e) for e in entries]
-    for kind, color in (("prefetch", "#55a868"), ("update", "#4c72b0")):
-        for e in (r for r in rows if r["kind"] == kind):
-            ax.broken_barh([(1e3 * e["start"], 1e3 * (e["end"] - e["start"]))], (e["index"] - 0.4, 0.8),
-                           facecolors=color, label=kind)
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), loc="lower right", fontsize=8)
-    ax.set_xlabel("time since the start of optimizer.step() (ms)")
-    ax.set_ylabel("parameter")
-    ax.set_title("bitsandbytes prefetches each parameter's state right before its update")
-    return ax

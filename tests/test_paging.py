@@ -324,13 +324,6 @@ def test_measured_step_touches_optimizer_state_only_in_the_step():
     assert summary["backward"]["gradients"] > 0
 
 
-def test_plot_timeline_draws_labelled_axes():
-    import matplotlib
-    matplotlib.use("Agg")
-    ax = pg.plot_timeline(pg.regimes()["spike"].paged)
-    assert ax.get_xlabel() == "time (ms)"
-
-
 # ---- state sizes -------------------------------------------------------------------------------
 
 def test_optimizer_state_bytes_follow_bitsandbytes():

@@ -1,0 +1,69 @@
+"""The course's figures (course_lib.plots): what they draw matches the numbers they are given, with
+labelled axes and units."""
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from course_lib import paging as pg  # noqa: E402
+from course_lib import plots  # noqa: E402
+from course_lib.accumulation import CostRow  # noqa: E402
+from course_lib.measure import MiB  # noqa: E402
+from course_lib.offload import TimelineEntry  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def test_accumulation_cost_stacks_to_the_measured_peak():
+    rows = [CostRow(micro_batch=m, k=64 // m, flops=10**9, ms_per_step=100.0 + 400 / m, peak_bytes=(5 + m) * MiB,
+                    parameters=MiB, gradients=MiB, optimizer_state=2 * MiB, saved_per_micro_batch=m * MiB // 2,
+                    inputs=MiB // 4) for m in (1, 4, 16, 64)]
+    fig = plots.plot_accumulation_cost(list(reversed(rows)), title="test")
+    ax_time, ax_memory = fig.axes
+    assert ax_time.get_ylabel() == "time per optimizer step (ms)" and ax_time.get_title() == "same FLOPs per step"
+    assert list(ax_time.lines[0].get_xdata()) == [1, 4, 16, 64]  # sorted by micro-batch
+    assert "(MiB)" in ax_memory.get_ylabel()
+    heights = [0.0] * len(rows)
+    for container in ax_memory.containers:
+        for i, bar in enumerate(container):
+            heights[i] += bar.get_height()
+    assert heights == pytest.approx([r.peak_bytes / MiB for r in rows])
+
+
+def test_touches_put_each_operator_on_its_category():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randn(4, 8)
+    touches = pg.measure_touches(model, optimizer, lambda: model(x).pow(2).mean())
+    ax = plots.plot_touches(touches)
+    drawn = {(round(x), round(y)) for collection in ax.collections for x, y in collection.get_offsets()}
+    assert drawn == {(t.index, pg.TOUCH_CATEGORIES.index(t.category)) for t in touches}
+    assert [label.get_text() for label in ax.get_yticklabels()] == list(pg.TOUCH_CATEGORIES)
+
+
+def test_prefetch_timeline_draws_each_entry_in_milliseconds():
+    entries = [TimelineEntry("prefetch", 0, 0.000, 0.002, 100), TimelineEntry("update", 0, 0.002, 0.005, 100),
+               {"kind": "prefetch", "index": 1, "start": 0.003, "end": 0.004, "state_bytes": 10}]
+    ax = plots.plot_prefetch_timeline(entries)
+    spans = sorted(tuple(round(v, 6) for v in path.get_extents().bounds[:3:2])
+                   for collection in ax.collections for path in collection.get_paths())
+    assert spans == [(0.0, 2.0), (2.0, 3.0), (3.0, 1.0)]  # (start ms, length ms)
+    assert ax.get_xlabel().endswith("(ms)") and {t.get_text() for t in ax.get_legend().get_texts()} == {"prefetch", "update"}
+
+
+def test_paging_timeline_has_one_lane_per_kind_of_work():
+    result = pg.regimes()["spike"].paged
+    ax = plots.plot_paging_timeline(result, steps=[1, 2])
+    assert ax.get_xlabel() == "time (ms)"
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["compute", "faults", "migrate in (H2D)", "evict (D2H)"]
+    lanes = {s.lane for s in result.timeline if s.step in (1, 2)}
+    assert len(ax.collections) == len(lanes)
+    assert [t.get_text().strip() for t in ax.texts] == ["step 1", "step 2"]
