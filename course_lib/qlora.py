@@ -183,10 +183,15 @@ def compute_dtype(policy: DtypePolicy) -> torch.dtype:
     return policy.autocast_dtype or torch.float32
 
 
-def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", policy: DtypePolicy | None = None):
+def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", policy: DtypePolicy | None = None,
+                weights: str | Path | None = None):
     """The model a recipe trains (lesson 5): NF4 base via BitsAndBytesConfig (double quantization, the
     policy's compute dtype), prepare_model_for_kbit_training, non-reentrant checkpointing, LoRA on all
-    linear layers. Trainable parameters are fp32 (peft's default; the T4 recipe needs it)."""
+    linear layers. Trainable parameters are fp32 (peft's default; the T4 recipe needs it).
+
+    The weights are random, for `config`, unless `weights` names real ones: a local checkpoint folder,
+    or a Hugging Face Hub id, which downloads them (optional, on Colab say; nothing here needs it).
+    """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     recipe.validate()
@@ -199,7 +204,7 @@ def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", poli
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype(policy))
     with _quiet():
-        model = AutoModelForCausalLM.from_pretrained(_checkpoint_dir(config), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(weights or _checkpoint_dir(config), **kwargs)
         model.config.use_cache = False
         if recipe.nf4 and recipe.prepare_kbit:
             from peft import prepare_model_for_kbit_training
@@ -269,9 +274,10 @@ class TrainResult:
 
 
 def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learning_rate: float = 2e-3,
-          device: str | torch.device = "cpu", policy: DtypePolicy | None = None) -> TrainResult:
+          device: str | torch.device = "cpu", policy: DtypePolicy | None = None,
+          weights: str | Path | None = None) -> TrainResult:
     """Fine-tune with Hugging Face's Trainer and return the loss of every optimizer step (lesson 5).
-    `policy` defaults to the device's (`course_lib.device.dtype_policy`)."""
+    `policy` defaults to the device's (`course_lib.device.dtype_policy`); `weights` as in `build_model`."""
     from transformers import PrinterCallback, Trainer
 
     if max_steps < 1:
@@ -279,7 +285,7 @@ def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learni
     if len(dataset) < recipe.effective_batch:
         raise ValueError(f"the dataset has {len(dataset)} rows, fewer than one effective batch "
                          f"({recipe.effective_batch})")
-    model = build_model(config, recipe, device, policy)
+    model = build_model(config, recipe, device, policy, weights)
     with tempfile.TemporaryDirectory() as folder, _quiet():
         args = training_arguments(recipe, folder, max_steps=max_steps, learning_rate=learning_rate, device=device,
                                   policy=policy)
@@ -448,7 +454,9 @@ def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
 def emulate_t4(device: str | torch.device = "cuda") -> tuple[DtypePolicy, GPU]:
     """Make a larger CUDA GPU behave like Colab's T4 for lesson 5's recipe: cap this process's caching
     allocator at the T4's visible memory less the CUDA context, and return the T4's precision policy
-    (fp16 autocast + GradScaler) and catalog entry, for `measure_recipe`, `ablation` and `train`."""
+    (fp16 autocast + GradScaler) and catalog entry, for `measure_recipe`, `ablation` and `train`.
+    The cap binds PyTorch's allocator only: a paged optimizer's unified memory lies outside it, as on a
+    T4, but is not squeezed by it, so a recipe that pages on a T4 may not page here."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError("emulate_t4 caps a CUDA GPU's memory: it needs a CUDA GPU")

@@ -113,6 +113,23 @@ def test_qlora_model_is_nf4_double_quantized_with_fp32_adapters_and_gradients_fl
     assert_gradients_flow(model, {"input_ids": ids, "labels": ids})
 
 
+def test_real_weights_come_from_a_checkpoint_folder(config, tmp_path):
+    """`weights=` loads a checkpoint (here a local folder; on Colab it may be a hub id) instead of random
+    weights: the frozen base is exactly the checkpoint's, and the adapters train on top of it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(123)
+    saved = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    saved.save_pretrained(tmp_path)
+    recipe = qlora.Recipe(nf4=False, prepare_kbit=False, checkpointing=False)
+    loaded = qlora.build_model(config, recipe, "cpu", weights=tmp_path)
+    random = qlora.build_model(config, recipe, "cpu")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    expected = saved.state_dict()[name]
+    assert torch.equal(loaded.get_base_model().state_dict()[name.replace("weight", "base_layer.weight")], expected)
+    assert not torch.equal(random.get_base_model().state_dict()[name.replace("weight", "base_layer.weight")], expected)
+
+
 def test_planner_within_ten_percent_and_tricks_save_memory(config):
     on = qlora.measure_recipe(config, qlora.Recipe(seq=64, accum=2))
     no_quant = qlora.measure_recipe(config, qlora.Recipe(seq=64, accum=2).without("nf4"))
