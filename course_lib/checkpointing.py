@@ -543,7 +543,7 @@ def hf_checkpointing(model: nn.Module, enable: bool = True, *, use_reentrant: bo
     """Hugging Face's one-liner, on any transformers version (lesson 3, "the one-liner").
 
     Every decoder layer becomes its own checkpointed segment (the plan "every-layer"); transformers
-    >= 5 calls it `activation_checkpointing_enable` (the old `gradient_checkpointing_enable` warns).
+    >= 5.23 calls it `activation_checkpointing_enable` (the old `gradient_checkpointing_enable` warns).
     It also turns on `enable_input_require_grads()`, which keeps reentrant checkpointing from
     cutting the graph under frozen embeddings (LoRA).
     """

@@ -251,7 +251,7 @@ def training_arguments(recipe: Recipe, output_dir: str | Path, *, max_steps: int
     recipe.validate()
     device = torch.device(device)
     policy = policy or dtype_policy(device)
-    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
+    # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
     name = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
         else "gradient_checkpointing"
     checkpointing = {name: recipe.checkpointing,

@@ -140,7 +140,7 @@ def test_peak_matches_a_measured_step_within_2_percent(checkpointing, precision)
     model = build_model(config, "cpu", dtype=setup.weight_dtype)
     model.train()
     if checkpointing != "none":
-        with warnings.catch_warnings():  # transformers 5 renames it activation_checkpointing_enable
+        with warnings.catch_warnings():  # transformers 5.23 renames it activation_checkpointing_enable
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters())
