@@ -8,6 +8,9 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 
 def in_colab() -> bool:
@@ -100,11 +103,39 @@ def _imported_but_changed(package: str, module_name: str) -> str | None:
     return None
 
 
+def declared_ranges() -> dict[str, SpecifierSet]:
+    """The version range course_lib declares for each package it needs (pyproject.toml, read back from
+    the installed package's metadata); empty when course_lib is not installed (lesson 0, "Setup")."""
+    try:
+        lines = importlib.metadata.requires("course-lib") or []
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    ranges = {}
+    for line in lines:
+        requirement = Requirement(line)
+        marker = requirement.marker
+        if marker is None or ("extra" not in str(marker) and marker.evaluate()):
+            ranges[requirement.name.lower()] = requirement.specifier
+    return ranges
+
+
+def _version_check(package: str, version: str, ranges: dict[str, SpecifierSet]) -> Check:
+    wanted = ranges.get(package)
+    if wanted is None or wanted.contains(Version(version), prereleases=True):
+        return Check(True, package, version)
+    return Check(False, package, f"{version}, but course_lib needs {package}{wanted}; "
+                                 f"run: pip install '{package}{wanted}', then restart")
+
+
 def environment_checks() -> list[Check]:
-    """The checks behind `check_environment` (lesson 0, "Setup")."""
+    """The checks behind `check_environment` (lesson 0, "Setup"): each package importable and inside
+    the range course_lib declares, the device, the precision, and whether a restart is needed."""
     checks = [Check(True, "python", sys.version.split()[0])]
-    torch_ok = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 4)
-    checks.append(Check(torch_ok, "torch", torch.__version__ + ("" if torch_ok else ": need >= 2.4")))
+    ranges = declared_ranges()
+    if not ranges:
+        checks.append(Check(False, "course-lib", "not installed, so its version ranges cannot be checked: "
+                                                 "run `pip install -e .` in the course folder (or the setup cell)"))
+    checks.append(_version_check("torch", torch.__version__, ranges))
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         major, minor = torch.cuda.get_device_capability()
@@ -113,13 +144,14 @@ def environment_checks() -> list[Check]:
         checks.append(Check(True, "CUDA", "no GPU: running on CPU, GPU-only cells will be skipped"))
     policy = dtype_policy()
     checks.append(Check(True, "precision", policy.reason))
-    for package in ("transformers", "bitsandbytes", "peft", "nbval"):
+    for package in ("transformers", "accelerate", "peft", "bitsandbytes", "nbval"):
         try:
             module = importlib.import_module(package)
-            checks.append(Check(True, package, getattr(module, "__version__", "installed")))
         except Exception as error:  # an import can fail in many ways: report, don't crash
             checks.append(Check(False, package, f"not importable ({type(error).__name__}: {error}); "
                                                  f"run: pip install {package}"))
+            continue
+        checks.append(_version_check(package, getattr(module, "__version__", "0"), ranges))
     changed = [msg for pkg, mod in (("torch", "torch"), ("transformers", "transformers"),
                                     ("bitsandbytes", "bitsandbytes"), ("numpy", "numpy"))
                if (msg := _imported_but_changed(pkg, mod))]

@@ -1,10 +1,15 @@
 """course_lib.device: device choice, the dtype policy and the environment check (lesson 0)."""
 
 import sys
+import tomllib
 import types
+from pathlib import Path
 
+import peft
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from course_lib import device as dev
 
@@ -78,3 +83,28 @@ def test_missing_package_is_a_fail_line_with_the_fix(monkeypatch, capsys):
     monkeypatch.setattr(dev.importlib, "import_module", import_without_peft)
     assert not dev.check_environment()
     assert "FAIL peft: not importable (ImportError: gone); run: pip install peft" in capsys.readouterr().out
+
+
+def test_a_version_outside_the_declared_range_is_a_fail_line_with_the_fix(monkeypatch, capsys):
+    monkeypatch.setattr(dev, "declared_ranges", lambda: {"peft": SpecifierSet(">=99")})
+    assert not dev.check_environment()
+    out = capsys.readouterr().out
+    assert f"FAIL peft: {peft.__version__}, but course_lib needs peft>=99; run: pip install 'peft>=99'" in out
+    assert "OK   transformers" in out  # no declared range: importable is enough
+
+
+def test_declared_ranges_are_pyprojects(monkeypatch, capsys):
+    """What `course-lib check` enforces is what pyproject.toml declares (an install older than the
+    pyproject fails here: reinstall with `make test`)."""
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    declared = {r.name.lower(): r.specifier for r in map(Requirement, project["dependencies"])
+                if r.marker is None or r.marker.evaluate()}
+    assert dev.declared_ranges() == declared
+    assert {"torch", "transformers", "accelerate", "peft", "nbval"} <= set(declared)
+
+    def not_installed(name):
+        raise dev.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(dev.importlib.metadata, "requires", not_installed)
+    assert not dev.check_environment()
+    assert "FAIL course-lib: not installed" in capsys.readouterr().out
