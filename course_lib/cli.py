@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     plan.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel")
     plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
-                                    "rtx3090, rtx4090")
+                                    "h200, rtx3090, rtx4090")
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser

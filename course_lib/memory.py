@@ -91,6 +91,7 @@ GPUS = {
     "a100-40gb": GPU("A100 40GB", 40960 * MiB, (8, 0)),
     "a100-80gb": GPU("A100 80GB", 81920 * MiB, (8, 0)),
     "h100-80gb": GPU("H100 80GB", 81559 * MiB, (9, 0)),
+    "h200": GPU("H200", 143771 * MiB, (9, 0), "141 GB card, 143771 MiB as nvidia-smi shows it"),
     "rtx3090": GPU("RTX 3090", 24576 * MiB, (8, 6)),
     "rtx4090": GPU("RTX 4090", 24564 * MiB, (8, 9)),
 }

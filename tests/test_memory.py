@@ -213,8 +213,12 @@ def test_korthikanti_formula():
 # --- GPUs, verdicts, tricks -----------------------------------------------------------------------
 
 def test_catalog_has_the_required_gpus_and_the_t4_shows_15_gib():
-    for name in ("t4", "l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090", "rtx4090"):
+    for name in ("t4", "l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "rtx3090", "rtx4090"):
         assert memory.get_gpu(name)
+    from course_lib.cli import build_parser
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
+    assert all(name in help_text for name in memory.GPUS), "course-lib plan --help must list every catalog GPU"
     assert memory.get_gpu("T4").memory_bytes == 15 * 2**30
     assert not memory.get_gpu("t4").bf16 and memory.get_gpu("a100").bf16
 
