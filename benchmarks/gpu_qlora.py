@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from course_lib import qlora
     from course_lib.checkpointing import assert_gradients_flow
     from course_lib.device import dtype_policy
+    from course_lib.measure import format_bytes
 
     device = torch.device("cuda")
     policy, gpu = qlora.emulate_t4(device) if args.as_t4 else (dtype_policy(device), None)
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     print("expandable_segments (fresh process each, all tricks on, accum 4):")
     effect = qlora.expandable_segments_effect("1b", args.seq, 4, as_t4=args.as_t4)
     for value, peaks in effect.items():
-        print(f"  expandable_segments:{value:<5}  allocated {peaks['allocated'] / 2**20:8.1f} MiB  "
-              f"reserved {peaks['reserved'] / 2**20:8.1f} MiB")
+        print(f"  expandable_segments:{value:<5}  allocated {format_bytes(peaks['allocated']):>11}  "
+              f"reserved {format_bytes(peaks['reserved']):>11}")
     results["expandable_segments"] = effect
     save()
     return 0

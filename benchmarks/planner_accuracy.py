@@ -23,11 +23,11 @@ import warnings
 
 import torch
 
-from course_lib.measure import measure_step, storage_bytes
+from course_lib.checkpointing import hf_checkpointing
+from course_lib.measure import MiB, measure_step, storage_bytes
 from course_lib.memory import Setup, plan
 from course_lib.models import build_model, spec_from_model
 
-MiB = 2**20
 BATCH = 4
 VOCAB = 8192
 
@@ -101,9 +101,7 @@ def build_case(model_type: str, setup: Setup, checkpointing: bool):
         model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
                                                  target_modules="all-linear", lora_dropout=0.0))
     if checkpointing:
-        with warnings.catch_warnings():  # transformers 5 renames it activation_checkpointing_enable
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing(model, True, use_reentrant=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if setup.precision.startswith("mixed"):
         optimizer = MasterWeightAdamW(trainable)

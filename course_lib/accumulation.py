@@ -1338,6 +1338,11 @@ class CostRow:
     saved_per_micro_batch: int  # bytes autograd saves for backward in one micro-batch's forward
     inputs: int = 0            # bytes of the window's data (all K micro-batches, inputs and targets)
 
+    @property
+    def fixed_bytes(self) -> int:
+        """Parameters, gradients and optimizer state: the part accumulation cannot shrink."""
+        return self.parameters + self.gradients + self.optimizer_state
+
 
 def cost_model(width: int = 512, depth: int = 4, seed: int = 0) -> nn.Sequential:
     """The MLP the cost measurement trains: `depth` Linear(width, width) + LayerNorm + GELU blocks."""
@@ -1429,9 +1434,8 @@ def format_cost_table(rows: Sequence[CostRow]) -> str:
     lines = [f"{'micro':>5} {'K':>4} {'GFLOP/step':>10} {'ms/step':>9} {'x time':>7} {'peak':>11} {'x peak':>7} "
              f"{'saved/micro':>11} {'params+grads+Adam':>18}"]
     for r in rows:
-        fixed = r.parameters + r.gradients + r.optimizer_state
         lines.append(f"{r.micro_batch:>5} {r.k:>4} {r.flops / 1e9:>10.3f} {r.ms_per_step:>9.1f} "
                      f"{r.ms_per_step / base.ms_per_step:>7.2f} {format_bytes(r.peak_bytes):>11} "
                      f"{r.peak_bytes / base.peak_bytes:>7.2f} {format_bytes(r.saved_per_micro_batch):>11} "
-                     f"{format_bytes(fixed):>18}")
+                     f"{format_bytes(r.fixed_bytes):>18}")
     return "\n".join(lines)

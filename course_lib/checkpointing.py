@@ -365,15 +365,10 @@ def optimal_plan(saved_bytes: Sequence[int], input_bytes: Sequence[int], budget_
     fitting = [plan for peak, _, plan in frontier if peak <= budget_bytes]
     if not fitting:
         minimum, _, plan = frontier[0]
-        raise ValueError(f"budget of {int(budget_bytes)} bytes ({_fmt(budget_bytes)}) is below the minimum "
-                         f"feasible activation memory of {minimum} bytes ({_fmt(minimum)}) for these layers, "
+        raise ValueError(f"budget of {int(budget_bytes)} bytes ({format_bytes(budget_bytes)}) is below the minimum "
+                         f"feasible activation memory of {minimum} bytes ({format_bytes(minimum)}) for these layers, "
                          f"reached by the plan {plan}")
     return fitting[-1]  # the frontier's peaks ascend and recomputes descend: the last that fits
-
-
-def _fmt(n: int | float) -> str:
-
-    return format_bytes(n)
 
 
 # ---------------------------------------------------------------------------------------------------

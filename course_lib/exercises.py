@@ -220,18 +220,20 @@ def grade(paths: list[str], csv_path: str | None = None) -> int:
         print(f"Grading {path}")
         checks = exercise_checks(notebook)
         results = {result.index: result for result in run_nbval(path)}
+        graded = []
         for index, label in checks.items():
             result = results.get(index)
             if result is None or result.outcome == "skipped":
-                rows.append((path, label, "FAIL", "did not run"))
+                graded.append((path, label, "FAIL", "did not run"))
             elif result.outcome == "failed":
-                rows.append((path, label, "FAIL", result.message))
+                graded.append((path, label, "FAIL", result.message))
             else:
-                rows.append((path, label, "PASS", ""))
+                graded.append((path, label, "PASS", ""))
         others = [r for i, r in sorted(results.items()) if i not in checks and r.outcome == "failed"]
-        rows += [(path, f"code cell {r.index} (not a check)", "FAIL", r.message) for r in others]
-        for _, label, outcome, detail in (row for row in rows if row[0] == path):
+        graded += [(path, f"code cell {r.index} (not a check)", "FAIL", r.message) for r in others]
+        for _, label, outcome, detail in graded:
             print(f"  {outcome}  {label}" + (f": {detail}" if detail else ""))
+        rows += graded
         passed = sum(1 for i in checks if i in results and results[i].outcome == "passed")
         print(f"  {passed} of {len(checks)} exercises passed" + (f"; {len(others)} other cells failed" if others else ""))
     if len(notebooks) > 1:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from course_lib.checkpointing import mlp_stack
 from course_lib.measure import GiB, MiB
 from course_lib.paging import params_from_module, TrainingSetup
 
@@ -172,6 +173,14 @@ def release_paged_state() -> int:
     return total
 
 
+def release_cuda_memory() -> None:
+    """A clean GPU for the next run (lessons 4 and 5): collect the garbage, release the paged state
+    bitsandbytes never frees, and return the caching allocator's cached blocks."""
+    gc.collect()
+    release_paged_state()
+    torch.cuda.empty_cache()
+
+
 # --------------------------------------------------------------------------------------------
 # A small GPU inside a big one
 # --------------------------------------------------------------------------------------------
@@ -290,11 +299,10 @@ def _sync() -> None:
 # --------------------------------------------------------------------------------------------
 
 def mlp(hidden: int, layers: int, device: str | torch.device = "cpu") -> torch.nn.Sequential:
-    """A stack of `layers` Linear(hidden, hidden) + ReLU in fp32: parameters in a few big tensors (lesson 4)."""
-    blocks = []
-    for _ in range(layers):
-        blocks += [torch.nn.Linear(hidden, hidden, device=device), torch.nn.ReLU()]
-    return torch.nn.Sequential(*blocks)
+    """Lesson 3's `mlp_stack` of `layers` Linear(hidden, hidden) + ReLU in fp32, on `device`: parameters in
+    a few big tensors, named by layer ("2.0.weight" is layer 2) for `params_from_module` (lesson 4)."""
+    with torch.device(device):
+        return mlp_stack(layers, hidden, "relu")
 
 
 def mlp_setup(shape: dict[str, int], optimizer: str = "paged_adamw_32bit"):
@@ -401,10 +409,10 @@ def run_training(optimizer_name: str, shape: dict[str, int], steps: int, gpu: Vi
         if isinstance(opt, CPUOffloadAdamW):
             opt.remove_hooks()
         model = opt = timeline = x = loss = None
-        gc.collect()
         if torch.cuda.is_available():
-            release_paged_state()
-            torch.cuda.empty_cache()
+            release_cuda_memory()
+        else:
+            gc.collect()
     return run
 
 

@@ -36,14 +36,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from course_lib.measure import GiB, KiB, MiB
+from course_lib.measure import GiB, KiB, MiB, PHASES, format_bytes
 
 GB = 10**9
 VA_BLOCK = 2 * MiB          # UVM VA block: the driver's unit of fault servicing and prefetch growth
 ROOT_CHUNK = 2 * MiB        # the driver's unit of eviction
 GRANULARITIES = (4 * KiB, 64 * KiB, 2 * MiB)
 EVICTION_POLICIES = ("allocation", "lru", "mru")
-PHASES = ("forward", "backward", "optimizer")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
 BNB_PAGED_MIN_NUMEL = 100_000     # bitsandbytes pages only state tensors with numel >= 1e5
 BNB_MIN_8BIT_SIZE = 4096          # smaller tensors keep 32-bit state in 8-bit optimizers
@@ -70,14 +69,6 @@ class OutOfDeviceMemory(RuntimeError):
 def _positive(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise PagingError(f"{name} must be a positive finite number, got {value!r}")
-
-
-def format_bytes(n: float) -> str:
-    """A byte count in the largest binary unit that keeps it >= 1 (lesson 4)."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # --------------------------------------------------------------------------------------------

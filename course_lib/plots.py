@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
-from course_lib.measure import MiB
-from course_lib.paging import PHASES, TOUCH_CATEGORIES
+from course_lib.measure import PHASES, MiB
+from course_lib.paging import TOUCH_CATEGORIES
 
 if TYPE_CHECKING:
     from course_lib.accumulation import CostRow
@@ -40,7 +40,7 @@ def plot_accumulation_cost(rows: Sequence[CostRow], title: str | None = None):
     ax_t.set_ylim(bottom=0)
     flops = {r.flops for r in rows}
     ax_t.set_title("same FLOPs per step" if len(flops) == 1 else "FLOPs differ")
-    fixed = [(r.parameters + r.gradients + r.optimizer_state) / MiB for r in rows]
+    fixed = [r.fixed_bytes / MiB for r in rows]
     data = [r.inputs / MiB for r in rows]
     rest = [max(r.peak_bytes / MiB - f - d, 0.0) for r, f, d in zip(rows, fixed, data)]
     positions = range(len(rows))

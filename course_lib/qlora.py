@@ -17,7 +17,6 @@ statistics) and predicted by
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import statistics
 import tempfile
@@ -28,16 +27,16 @@ from pathlib import Path
 
 import torch
 
+from course_lib import offload
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
-from course_lib.measure import MiB, format_bytes, optimizer_state_tensors, peak_bytes
+from course_lib.measure import format_bytes, optimizer_state_tensors, peak_bytes
 from course_lib.memory import CUDA_CONTEXT_BYTES, GPU, get_gpu, plan, Setup
 from course_lib.models import build_model as meta_model, load_config, spec_from_model
-from course_lib.offload import release_paged_state
 
-OPTIMS = ("paged_adamw_8bit", "adamw_8bit", "adamw_torch")
 # The Trainer's `optim` names and the planner's names for the same optimizer.
 _PLANNER_OPTIM = {"paged_adamw_8bit": "paged_adamw8bit", "adamw_8bit": "adamw8bit", "adamw_torch": "adamw"}
+OPTIMS = tuple(_PLANNER_OPTIM)
 TRICKS = ("nf4", "lora", "checkpointing", "accumulation", "optimizer", "prepare_kbit")
 
 
@@ -303,14 +302,11 @@ def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learni
 # ---------------------------------------------------------------------------------------------------
 
 def make_optimizer(model: torch.nn.Module, optim: str, lr: float = 2e-3) -> torch.optim.Optimizer:
-    """The optimizer the Trainer builds for `optim` (lesson 5)."""
+    """The optimizer the Trainer builds for `optim`, over the trainable parameters (lesson 5); lesson
+    4's `offload.make_optimizer` makes it."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if optim == "adamw_torch":
-        return torch.optim.AdamW(trainable, lr=lr)
-    import bitsandbytes as bnb
-
     with _quiet():
-        return bnb.optim.AdamW(trainable, lr=lr, optim_bits=8, is_paged=optim == "paged_adamw_8bit")
+        return offload.make_optimizer("adamw" if optim == "adamw_torch" else optim, trainable, lr)
 
 
 def planner_setup(recipe: Recipe, policy: DtypePolicy) -> Setup:
@@ -380,7 +376,7 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
         return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak)
     except torch.cuda.OutOfMemoryError:
         pass  # leave the except block first: its traceback holds the model and the optimizer
-    _release_cuda_memory()
+    offload.release_cuda_memory()
     return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "out of memory")
 
 
@@ -423,16 +419,8 @@ def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model, optimizer
     if device.type == "cuda":
-        _release_cuda_memory()
+        offload.release_cuda_memory()
     return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times), trainable)
-
-
-def _release_cuda_memory() -> None:
-    """Give the next recipe a clean GPU: the cached blocks, and the paged optimizer state that
-    bitsandbytes never frees (`offload.release_paged_state`, lesson 4)."""
-    gc.collect()
-    release_paged_state()
-    torch.cuda.empty_cache()
 
 
 def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
@@ -543,4 +531,4 @@ def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4
 __all__ = ["Recipe", "RecipeError", "Row", "TRICKS", "ablation", "build_model", "counting_dataset",
            "emulate_t4", "expandable_segments_effect",
            "format_ablation", "llama_1b_config", "make_optimizer", "measure_recipe", "planner_setup",
-           "predict", "tiny_llama_config", "train", "training_arguments", "MiB"]
+           "predict", "tiny_llama_config", "train", "training_arguments"]

@@ -406,12 +406,17 @@ def test_every_layer_saves_nothing_when_a_layer_stores_only_its_input():
         assert abs(row.error) <= 0.05, row
 
 
-def test_cost_model_agrees_with_a_hugging_face_decoder():
+def profiled_decoder(n_layers):
+    """A seeded tiny Llama decoder, its batch, its loss and its layer profile."""
     torch.manual_seed(0)
-    model = tiny_decoder("llama", n_layers=6, hidden=64, heads=2, vocab=128)
+    model = tiny_decoder("llama", n_layers=n_layers, hidden=64, heads=2, vocab=128)
     ids = torch.randint(0, 128, (2, 128))
     loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
-    profile = profile_stack(model, loss_fn, [ids])
+    return model, ids, loss_fn, profile_stack(model, loss_fn, [ids])
+
+
+def test_cost_model_agrees_with_a_hugging_face_decoder():
+    model, ids, loss_fn, profile = profiled_decoder(6)
     assert profile.saved_bytes[0] > 10 * profile.input_bytes[0]  # a decoder layer stores far more
     rows = [measure_plan(model, loss_fn, [ids], plan, profile=profile, repeats=0)
             for plan in ("none", "every-layer", "sqrt", [1, 3, 5])]
@@ -422,11 +427,7 @@ def test_cost_model_agrees_with_a_hugging_face_decoder():
 
 
 def test_selective_checkpointing_keeps_more_than_full_and_less_than_none():
-    torch.manual_seed(0)
-    model = tiny_decoder("llama", n_layers=4, hidden=64, heads=2, vocab=128)
-    ids = torch.randint(0, 128, (2, 128))
-    loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
-    profile = profile_stack(model, loss_fn, [ids])
+    model, ids, loss_fn, profile = profiled_decoder(4)
     full = measure_plan(model, loss_fn, [ids], "every-layer", profile=profile, repeats=0)
     selective = measure_plan(model, loss_fn, [ids], "every-layer", profile=profile, repeats=0,
                              policy="selective")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from course_lib import offload
 from course_lib import paging as pg
 from course_lib.paging import KiB, MiB
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -130,8 +128,8 @@ def test_less_device_memory_never_makes_training_faster(setup, tokens, policy, f
     assert r_small.bytes_out >= r_big.bytes_out
 
 
-def test_less_device_memory_never_makes_the_lesson_model_faster():
-    setup = pg.regimes()["thrashing"].setup
+def test_less_device_memory_never_makes_the_lesson_model_faster(regimes):
+    setup = regimes["thrashing"].setup
     trace = pg.training_trace(setup, [2048] * 4)
     for policy in pg.EVICTION_POLICIES:
         times = []
@@ -142,8 +140,8 @@ def test_less_device_memory_never_makes_the_lesson_model_faster():
         assert times == sorted(times, reverse=True), (policy, times)
 
 
-def test_allocation_order_is_gentler_than_lru_near_the_edge():
-    setup = pg.regimes()["thrashing"].setup
+def test_allocation_order_is_gentler_than_lru_near_the_edge(regimes):
+    setup = regimes["thrashing"].setup
     trace = pg.training_trace(setup, [2048] * 4)
     state = setup.bytes_by_category()["optimizer state (paged)"]
     edge = int(16.71 * 2**30) - 100 * MiB       # about 100 MiB too little for the state to fit
@@ -208,8 +206,8 @@ def test_regime_transient_spike(regimes):
     assert r.paged.slowdown(last) < r.paged.slowdown(spike)
 
 
-def test_without_empty_cache_the_spike_keeps_costing():
-    r = pg.regimes()["spike"]
+def test_without_empty_cache_the_spike_keeps_costing(regimes):
+    r = regimes["spike"]
     trace = pg.training_trace(r.setup, list(r.tokens_per_step))     # no empty_cache
     kept = pg.simulate(trace, record_timeline=False)
     released = pg.simulate(trace, caching_allocator=False, record_timeline=False)
@@ -301,8 +299,8 @@ def test_state_of_one_parameter_larger_than_the_device_stops_the_run():
     assert result.oom is not None and "thrash inside one kernel" in str(result.oom)
 
 
-def test_timeline_is_sequential_and_adds_up():
-    r = pg.regimes()["spike"].paged
+def test_timeline_is_sequential_and_adds_up(regimes):
+    r = regimes["spike"].paged
     segments = r.timeline
     assert all(a.end <= b.start + 1e-12 for a, b in zip(segments, segments[1:]))
     total = sum(s.end - s.start for s in segments)
@@ -441,6 +439,12 @@ def test_cpu_offload_adamw_rejects_bad_input():
         offload.CPUOffloadAdamW([torch.nn.Parameter(torch.ones(2), requires_grad=False)])
     with pytest.raises(ValueError, match="lr"):
         offload.CPUOffloadAdamW([torch.nn.Parameter(torch.ones(2))], lr=-1)
+
+
+def test_the_demo_mlp_puts_each_linear_on_its_own_layer():
+    setup = offload.mlp_setup({"hidden": 16, "layers": 3, "tokens": 4})
+    assert setup.n_layers == 3
+    assert [p.layer for p in setup.params] == [0, 0, 1, 1, 2, 2]
 
 
 def test_prefetch_timeline_records_each_parameter_on_cpu():
