@@ -132,8 +132,19 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
 
+class PlainTextTable:
+    """Mixin: IPython's plain-text view shows `str(self)`, a short table, not the dataclass fields.
+
+    Notebooks saved to text (GitHub, nbval, a terminal) then show the same table as the HTML view
+    (lesson 0); `repr()` stays the full dataclass repr for debugging.
+    """
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(str(self))
+
+
 @dataclass
-class StepMemory:
+class StepMemory(PlainTextTable):
     """Memory of one training step by category, in bytes (lesson 0).
 
     `baseline` is what was live before the step (model, optimizer state, batch); `peak` the most
