@@ -4,6 +4,7 @@
   FACTS.md: citations point to docs/references.md, whose headings are the sources.
 - Every `references.md#anchor` link in the notebooks, `course_lib` and docs/ names a heading of
   docs/references.md (GitHub's anchor rules).
+- Every row of docs/myths.md has a verdict, a labelled number and the notebook section that prints it.
 - Committed notebooks carry no stderr stream, no path of the machine that ran them and no unfinished
   progress bar in their outputs.
 """
@@ -86,6 +87,37 @@ def test_links_inside_references_resolve():
     anchors = reference_anchors()
     inner = re.findall(r"\]\(#([\w\-]+)\)", REFERENCES.read_text())
     assert inner and not sorted(set(inner) - anchors)
+
+
+MYTHS = ROOT / "docs" / "myths.md"
+
+
+def myths_rows() -> list[str]:
+    return [line for line in MYTHS.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| claim") and not line.startswith("|---")]
+
+
+def notebook_headings(path: Path) -> set[str]:
+    cells = nbformat.read(path, as_version=4).cells
+    return {line.lstrip("#").strip() for cell in cells if cell.cell_type == "markdown"
+            for line in cell.source.splitlines() if line.startswith("#")}
+
+
+def test_every_myth_has_a_verdict_a_number_and_the_cell_that_prints_it():
+    rows = myths_rows()
+    assert len(rows) >= 15
+    for row in rows:
+        claim, verdict, number, where = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert claim and len(verdict.split()) >= 5, row
+        assert re.search(r"\d", number) or "your GPU" in number, f"no number: {row}"
+        assert re.match(r"(measured|predicted|simulated)", number), f"label the number (measured/predicted): {row}"
+        links = re.findall(r"\]\(\.\./(notebooks/[\w.]+\.ipynb)\)", where)
+        sections = re.findall(r'"(\d+\. [^"]+)"', where)
+        assert links and sections, f"name the notebook and the section heading: {row}"
+        for link in links:
+            headings = notebook_headings(ROOT / link)
+            missing = [s for s in sections if s not in headings]
+            assert not missing, f"{link} has no section {missing}"
 
 
 MACHINE_PATH = re.compile(r"(/work/|/root/|/tmp/|/home/\w+/|/Users/\w+/|[A-Z]:\\Users\\)")
