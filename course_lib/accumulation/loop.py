@@ -221,13 +221,18 @@ class AccumulationLoop:
 
 
 def train_with_accumulation(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[Batch],
-                            loss: SampleLoss | TokenLoss, accumulation_steps: int, **options) -> TrainResult:
+                            loss: SampleLoss | TokenLoss, accumulation_steps: int, *,
+                            scheduler: Any = None, max_grad_norm: float | None = None,
+                            scaler: torch.amp.GradScaler | None = None, autocast_dtype: torch.dtype | None = None,
+                            empty_window: str = "error", progress: bool = True) -> TrainResult:
     """Train over `batches` (micro-batches), one optimizer step per window of K (lesson 2).
 
-    The reference loop, `AccumulationLoop`, with its options: `scheduler`, `max_grad_norm`, `scaler`
-    (a GradScaler), `autocast_dtype`, `empty_window` ("error" or "skip") and `progress`.
+    Runs the reference loop, `AccumulationLoop` (its docstring lists every detail it gets right).
     """
-    return AccumulationLoop(model, optimizer, loss, accumulation_steps, **options).run(batches)
+    loop = AccumulationLoop(model, optimizer, loss, accumulation_steps, scheduler=scheduler,
+                            max_grad_norm=max_grad_norm, scaler=scaler, autocast_dtype=autocast_dtype,
+                            empty_window=empty_window, progress=progress)
+    return loop.run(batches)
 
 
 def train_whole_windows(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch],
