@@ -105,11 +105,12 @@ _FROZEN = {nn.BatchNorm1d: FrozenStatsBatchNorm1d, nn.BatchNorm2d: FrozenStatsBa
 def ghost_batchnorm(model: nn.Module, virtual_batch_size: int) -> nn.Module:
     """A copy of `model` whose BatchNorms use ghost batches of `virtual_batch_size` rows (remedy 2a).
 
-    Ghost batch normalisation (Hoffer et al. 2017) normalises every chunk of `virtual_batch_size`
-    rows with that chunk's statistics, and updates the running statistics once per chunk. With
-    `virtual_batch_size` equal to the micro-batch size, the whole batch and its accumulation compute
-    the same thing: gradients and running statistics agree. Fixes: accumulation is exactly "the
-    same model on the whole batch", so the effective batch can change without changing the result.
+    Ghost batch normalisation (Hoffer et al. 2017, see docs/references.md) normalises every chunk of
+    `virtual_batch_size` rows with that chunk's statistics, and updates the running statistics once
+    per chunk. With `virtual_batch_size` equal to the micro-batch size, the whole batch and its
+    accumulation compute the same thing: gradients and running statistics agree. Fixes: accumulation
+    is exactly "the same model on the whole batch", so the effective batch can change without
+    changing the result.
     Does not fix: the statistics still come from `virtual_batch_size` rows (noisy when that is small),
     not from the effective batch; it is not what plain BatchNorm on the whole batch computes.
     """
