@@ -80,14 +80,16 @@ class _OpenSegment:
 
     def close(self) -> None:
         self.last_hidden, self.made = None, set()  # the replay keeps only the calls' arguments
+        frame, self.frame = self.frame, None  # no cycle: the graph holds the frame, the frame the replay
         try:
-            next(self.frame)
+            next(frame)
         except StopIteration:
             return
         raise RuntimeError("torch's checkpoint frame did not close")
 
     def abort(self) -> None:
-        self.frame.close()
+        frame, self.frame = self.frame, None
+        frame.close()
 
 
 class AppliedPlan:
