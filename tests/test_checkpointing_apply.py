@@ -306,3 +306,31 @@ def test_measure_recompute_of_no_plan_is_zero():
     torch.manual_seed(0)
     model, x = mlp_stack(4, 16), torch.randn(8, 16)
     assert measure_recompute(model, lambda: model(x).pow(2).mean(), []) == 0
+
+
+def test_tradeoff_table_times_plans_in_turns_and_leaves_selective_unpredicted():
+    from course_lib.checkpointing import default_plans, format_tradeoff, measure_tradeoff
+
+    torch.manual_seed(0)
+    model, x = mlp_stack(4, 16, "gelu"), torch.randn(32, 16)
+    loss_fn = lambda: model(x).pow(2).mean()  # noqa: E731
+    profile = profile_stack(model, loss_fn, [x])
+    assert {"every-layer", "sqrt", "optimal @ sqrt peak", "1 segments"} <= default_plans(profile).keys()
+    rows = measure_tradeoff(model, loss_fn, [x], {"none": [], "sqrt": "sqrt"}, repeats=1,
+                            policies=("full", "korthikanti"), profile=profile, recompute=True)
+    assert [(r.plan, r.policy) for r in rows] == [("none", "full"), ("none", "korthikanti"),
+                                                  ("sqrt", "full"), ("sqrt", "korthikanti")]
+    assert all(r.step_seconds > 0 for r in rows)
+    assert rows[1].predicted_peak is None and rows[1].error is None and rows[0].error is not None
+    table = format_tradeoff(rows, "title")
+    assert table.splitlines()[0] == "title" and "n/a" in table and "1.00x" in table
+
+
+def test_uneven_stack_specs():
+    from course_lib.checkpointing import uneven_stack
+
+    stack = uneven_stack("mlp2 pw mlp1", 8)
+    assert len(stack) == 3 and stack[0].up.out_features == 16
+    for spec in ("mlp0", "conv", ""):
+        with pytest.raises(ValueError):
+            uneven_stack(spec, 8)

@@ -12,7 +12,7 @@ of order, a hidden state changed between two layers, an argument made inside the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

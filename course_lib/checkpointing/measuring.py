@@ -130,7 +130,9 @@ def measure_plan(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs: 
     with apply_plan(model, segments, policy=policy, stack=layers):
         memory = measure_step(model, None, loss_fn, inputs)
     model.zero_grad(set_to_none=True)
-    seconds = time_plans(model, loss_fn, [(segments, policy)], repeats=repeats, stack=layers)[0] if repeats else float("nan")
+    seconds = float("nan")
+    if repeats:
+        seconds = time_plans(model, loss_fn, [(segments, policy)], repeats=repeats, stack=layers)[0]
     measured = measure_recompute(model, loss_fn, segments, policy=policy, profile=profile, stack=layers) \
         if recompute else None
     return PlanMeasurement(plan=label or (plan if isinstance(plan, str) else str(segments)), segments=segments,
@@ -161,8 +163,8 @@ def measure_tradeoff(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inpu
                          repeats=0, label=label, recompute=recompute)
             for label, plan in plans.items() for policy in policies]
     if repeats > 0:
-        times = time_plans(model, loss_fn, [(row.segments, policy) for row, policy in zip(rows, [p for _ in plans for p in policies])], repeats=repeats,
-                           stack=layers)
+        runs = [(row.segments, policy) for row, policy in zip(rows, [p for _ in plans for p in policies])]
+        times = time_plans(model, loss_fn, runs, repeats=repeats, stack=layers)
         for row, seconds in zip(rows, times):
             row.step_seconds = seconds
     return rows
@@ -196,7 +198,8 @@ def format_tradeoff(rows: Sequence[PlanMeasurement], title: str = "") -> str:
         err = f"{100 * r.error:+5.1f}%" if r.error is not None else f"{'':>6}"
         simple = f"{100 * r.simple_error:+6.1f}%" if r.simple_error is not None else f"{'':>7}"
         predicted = f"{r.recompute_fraction:9.2f}" if r.recompute_fraction is not None else f"{'n/a':>9}"
-        seen = (f" {r.measured_recompute:8.2f}" if r.measured_recompute is not None else f" {'':>8}") if measured else ""
+        seen = "" if not measured else (
+            f" {r.measured_recompute:8.2f}" if r.measured_recompute is not None else f" {'':>8}")
         ms = f"{r.step_seconds * 1e3:8.1f}" if timed else f"{'':>8}"
         ratio = f"{r.step_seconds / base:5.2f}x" if base and timed else ""
         lines.append(f"{r.plan[:22]:<22} {r.policy[:12]:<12} {r.measured_peak / MiB:8.2f}M {model} {err} {simple} "
