@@ -143,6 +143,29 @@ def test_a_hidden_state_changed_between_layers_is_refused():
         model(torch.randn(2, 4)).sum().backward()
 
 
+class _Partial(torch.nn.Module):
+    """Runs only its first layer, or its layers in reverse: neither can be replayed as a segment."""
+
+    def __init__(self, reverse=False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+        self.reverse = reverse
+
+    def forward(self, x):
+        for layer in (reversed(self.layers) if self.reverse else self.layers[:1]):
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("reverse, words", [(False, "ended inside the segment 0..1"),
+                                            (True, "called before layer 0")])
+def test_a_segment_the_model_does_not_run_in_order_is_refused(reverse, words):
+    model = _Partial(reverse)
+    with apply_plan(model, [(0, 2)]), pytest.raises(ValueError, match=words):
+        model(torch.randn(2, 4))
+    model(torch.randn(2, 4)).sum().backward()  # the plan is gone and no frame was left open
+
+
 def test_a_kv_cache_is_refused():
     model = tiny_decoder("llama", n_layers=2, hidden=32, heads=2, vocab=64)
     ids = torch.randint(0, 64, (1, 8))
