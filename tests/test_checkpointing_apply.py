@@ -166,6 +166,19 @@ def test_a_segment_the_model_does_not_run_in_order_is_refused(reverse, words):
     model(torch.randn(2, 4)).sum().backward()  # the plan is gone and no frame was left open
 
 
+def test_random_numbers_drawn_between_layers_are_refused():
+    class Noisy(_Changing):
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+                torch.rand(1)  # between layers: a replay could not draw it again
+            return x
+
+    model = Noisy()
+    with apply_plan(model, [(0, 2)]), pytest.raises(ValueError, match="random numbers between layers 0 and 1"):
+        model(torch.randn(2, 4))
+
+
 def test_a_kv_cache_is_refused():
     model = tiny_decoder("llama", n_layers=2, hidden=32, heads=2, vocab=64)
     ids = torch.randint(0, 64, (1, 8))

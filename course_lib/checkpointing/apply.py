@@ -7,7 +7,8 @@ layer returns. In between, the model calls every layer itself, with that layer's
 mask, as Gemma-2's and Qwen2's sliding layers need), and each call is recorded. The backward replays
 the recorded calls from the segment's saved input, under the RNG state of the forward (dropout draws
 the same masks). Whatever cannot be replayed exactly is refused with a clear error: layers called out
-of order, a hidden state changed between two layers, an argument made inside the segment, a KV cache.
+of order, a hidden state changed between two layers, random numbers drawn between two layers, an
+argument made inside the segment, a KV cache.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ def _hidden_of(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def _rng_state() -> list[torch.Tensor]:
+    """The RNG states a layer's dropout draws from: the CPU's, and each CUDA device's once CUDA is up."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 
@@ -60,6 +69,7 @@ class _OpenSegment:
         self.calls: list[tuple[tuple, dict, bool]] = []  # (args after the hidden, kwargs, hidden as kwarg)
         self.made: set[int] = set()  # ids of tensors the segment's layers returned
         self.last_hidden: torch.Tensor | None = None
+        self.rng_after: list[torch.Tensor] = []  # the RNG state when the last layer returned
         layers = plan.layers
 
         def replay(hidden):
@@ -79,7 +89,7 @@ class _OpenSegment:
         next(self.frame)
 
     def close(self) -> None:
-        self.last_hidden, self.made = None, set()  # the replay keeps only the calls' arguments
+        self.last_hidden, self.made, self.rng_after = None, set(), []  # the replay keeps only the calls
         frame, self.frame = self.frame, None  # no cycle: the graph holds the frame, the frame the replay
         try:
             next(frame)
@@ -169,6 +179,9 @@ class AppliedPlan:
                 if hidden is not segment.last_hidden:
                     self._fail(f"the hidden state reaching layer {index} is not what layer {index - 1} "
                                "returned: the model changes it between layers, which a replay cannot repeat")
+                if any(not torch.equal(a, b) for a, b in zip(segment.rng_after, _rng_state())):
+                    self._fail(f"the model draws random numbers between layers {index - 1} and {index}: the "
+                               "replay would give the later layers other dropout masks")
             made = segment.made
             if any(id(t) in made for t in _tensors((args[1:], rest_args))):
                 self._fail(f"layer {index} got an argument made by an earlier layer of its segment")
@@ -188,6 +201,8 @@ class AppliedPlan:
             segment.made |= {id(t) for t in _tensors(output)}
             segment.last_hidden = _hidden_of(output)
             segment.next = index + 1
+            if segment.next < segment.end:
+                segment.rng_after = _rng_state()
             if segment.next == segment.end:
                 self.open = None
                 segment.close()
