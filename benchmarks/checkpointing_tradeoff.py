@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer plans")
     parser.add_argument("--scale", type=int, default=1, help="multiply batch and widths (for a GPU)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per plan (fastest counts)")
-    parser.add_argument("--selective", action="store_true", help="also run every plan with selective checkpointing")
+    parser.add_argument("--selective", action="store_true",
+                        help="also run every plan with the selective policies (korthikanti, save-matmuls, save-all)")
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1: small shapes time steadier on one)")
@@ -94,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"torch {torch.__version__}; peaks above what was live before the step, MiB")
     print("err: refined cost model vs measured; simple: saved + input sizes alone (all gradients added); "
-          "recompute: extra forward FLOPs / one forward; time: vs the first row\n")
-    policies = ("full", "selective") if args.selective else ("full",)
+          "recompute: extra forward FLOPs / one forward, predicted and measured (FlopCounterMode); "
+          "time: vs the first row\n")
+    policies = ("full", "korthikanti", "save-matmuls", "save-all") if args.selective else ("full",)
     results = {"device": str(device), "torch": torch.__version__, "models": [], "attention": []}
     started = time.perf_counter()
     for name, model, loss_fn, inputs in cases(device, args.scale, args.quick):
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = {k: v for k, v in plans.items() if k in ("1 segments", "2 segments", "every-layer",
                                                              "sqrt", "optimal @ sqrt peak")}
         rows = measure_tradeoff(model, loss_fn, inputs, plans, repeats=args.repeats, policies=policies,
-                                profile=profile)
+                                profile=profile, recompute=True)
         best = min(rows, key=lambda r: r.measured_peak)
         print(format_tradeoff(rows, name))
         print(f"lowest measured peak: {best.plan} ({best.measured_peak / MiB:.2f} MiB); "

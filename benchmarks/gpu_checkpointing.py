@@ -5,11 +5,13 @@ allocator's peak (course_lib.measure.measure_step on CUDA) instead of the CPU tr
     .venv/bin/python benchmarks/gpu_checkpointing.py --allow-cpu --quick   # smoke run of the script here
 
 It checks, and prints as tables (written to OUT/gpu_checkpointing.txt and .json too):
-  1. gradients under every-layer, sqrt and selective plans equal the unchecked run (Llama architecture);
+  1. loss and gradients under plans with multi-layer segments and gaps, and under the selective
+     policies, equal the unchecked run, on every bundled architecture (Gemma-2's sliding layers too);
   2. the cost model (refined and simple) against the measured peak for the trade-off of an MLP and a
      decoder, on CUDA; the sqrt plan within 15% and below every-layer on the GELU MLP;
   3. Hugging Face's one-liner against apply_plan("every-layer");
-  4. full against selective checkpointing: memory and step time;
+  4. full against the selective policies (Korthikanti's, save-matmuls, the save-all control), eager and
+     SDPA: memory, measured recompute and step time;
   5. the seed's "every layer: 1.40x" time ratio, measured.
 Exit status 1 when a check fails (the tables are printed first).
 """
@@ -51,25 +53,31 @@ class Report:
 
 
 def grads_equal(report: Report, device: torch.device, quick: bool) -> None:
-    torch.manual_seed(0)
-    model = tiny_decoder("llama", n_layers=4, hidden=128 if quick else 512, heads=4).to(device)
-    ids = torch.randint(0, 512, (2, 128 if quick else 512), device=device)
-    loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    from course_lib.checkpointing import ARCHITECTURES
 
-    def grads():
-        model.zero_grad(set_to_none=True)
-        loss_fn().backward()
-        out = [p.grad.detach().clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out
+    hidden, seq = (64, 64) if quick else (256, 512)
+    for arch in ARCHITECTURES:
+        model = tiny_decoder(arch, n_layers=4, hidden=hidden, heads=4, vocab=512, sliding_window=seq // 4).to(device)
+        ids = torch.randint(0, 512, (2, seq), device=device)
+        loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
 
-    reference = grads()
-    for plan, policy in (("every-layer", "full"), ("sqrt", "full"), ("every-2", "selective")):
-        with apply_plan(model, plan, policy=policy):
-            got = grads()
-        worst = max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(got, reference))
-        report.check(worst < 1e-4, f"gradients of plan {plan} ({policy}) equal the unchecked run "
-                                   f"(max relative difference {worst:.1e})")
+        def grads():
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn()
+            loss.backward()
+            out = [loss.detach()] + [p.grad.detach().clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            return out
+
+        reference = grads()
+        for plan, policy in (([(0, 2), (3, 4)], "full"), ("sqrt", "full"), ([(0, 3)], "korthikanti"),
+                             ("every-2", "save-matmuls")):
+            with apply_plan(model, plan, policy=policy):
+                got = grads()
+            worst = max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(got, reference))
+            report.check(worst < 1e-4, f"{arch}: loss and gradients of plan {plan} ({policy}) equal the unchecked "
+                                       f"run (max relative difference {worst:.1e})")
+        del model
 
 
 def tradeoffs(report: Report, device: torch.device, quick: bool, repeats: int) -> None:
@@ -120,22 +128,30 @@ def one_liner_and_selective(report: Report, device: torch.device, quick: bool, r
         ours = measure_step(model, None, loss_fn, [ids])
     a, b = hf.peak - hf.baseline, ours.peak - ours.baseline
     report.check(abs(a - b) <= 0.02 * b, f"HF one-liner {a / MiB:.1f} MiB == apply_plan every-layer {b / MiB:.1f} MiB")
-    profile = profile_stack(model, loss_fn, [ids])
-    plans = [("none", [], "full"), ("every-layer", "every-layer", "full"), ("every-layer", "every-layer", "selective"),
-             ("sqrt", "sqrt", "full")]
-    rows = [measure_plan(model, loss_fn, [ids], plan, profile=profile, policy=policy, label=label)
-            for label, plan, policy in plans]
-    for row, seconds in zip(rows, time_plans(model, loss_fn, [(r.boundaries, r.policy) for r in rows],
-                                             repeats=repeats)):
-        row.step_seconds = seconds
-    report.say(format_tradeoff(rows, f"full against selective, 8 layers, hidden {hidden}, 2 x {seq} tokens"))
-    none, full, selective, _ = rows
-    report.check(full.measured_peak < selective.measured_peak < none.measured_peak,
-                 "peak: full < selective < none")
-    report.say(f"seed's table: every layer 1.40x the step time; measured here {full.step_seconds / none.step_seconds:.2f}x "
-               f"(selective {selective.step_seconds / none.step_seconds:.2f}x), memory "
-               f"{full.measured_peak / none.measured_peak:.2f}x of no checkpointing")
-    report.data["selective"] = [asdict(r) for r in rows]
+    report.data["selective"] = []
+    for attn in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = tiny_decoder("llama", n_layers=8, hidden=hidden, heads=8, attn_implementation=attn).to(device)
+        loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+        profile = profile_stack(model, loss_fn, [ids])
+        plans = [("none", [], "full"), ("every-layer", "every-layer", "full")] + [
+            ("every-layer", "every-layer", policy) for policy in ("korthikanti", "save-matmuls", "save-all")]
+        rows = [measure_plan(model, loss_fn, [ids], plan, profile=profile, policy=policy, label=label, recompute=True)
+                for label, plan, policy in plans]
+        for row, seconds in zip(rows, time_plans(model, loss_fn, [(plan, policy) for _, plan, policy in plans],
+                                                 repeats=repeats)):
+            row.step_seconds = seconds
+        report.say(format_tradeoff(rows, f"selective policies, {attn}, 8 layers, hidden {hidden}, 2 x {seq} tokens"))
+        none, full, korthikanti, matmuls, save_all = rows
+        report.check(full.measured_peak < korthikanti.measured_peak < none.measured_peak,
+                     f"{attn}: peak full < korthikanti < none")
+        report.check(save_all.measured_recompute == 0.0, f"{attn}: save-all recomputes nothing (measured)")
+        report.say(f"{attn}: every layer {full.step_seconds / none.step_seconds:.2f}x the step time of no "
+                   f"checkpointing (the seed: 1.40x), korthikanti {korthikanti.step_seconds / none.step_seconds:.2f}x, "
+                   f"save-all {save_all.step_seconds / none.step_seconds:.2f}x; memory "
+                   f"{full.measured_peak / none.measured_peak:.2f}x of no checkpointing")
+        report.data["selective"].append({"attention": attn, "rows": [asdict(r) for r in rows]})
+        del model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     plan.add_argument("--seq", type=int, default=512, help="sequence length in tokens (default 512)")
     plan.add_argument("--checkpointing", default="none", metavar="PLAN",
-                      help="none, every-layer, sqrt or every-K (e.g. every-2)")
+                      help="none, every-layer, sqrt, every-K (e.g. every-2) or hf-every-K (Hugging Face's every_n_layers=K)")
     plan.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     plan.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel")
     plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from course_lib import checkpointing
 from course_lib.measure import GiB, MiB, format_bytes
-from course_lib.models import build_model, model_spec, ModelNotFound, ModelSpec, ParamInfo
+from course_lib.models import build_model, model_spec, ModelNotFound, ModelSpec, ParamInfo, supported_attention
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16")
 OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion")
@@ -170,7 +170,7 @@ class Setup:
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
 
         try:
-            checkpointing.plan_boundaries(4, self.checkpointing)
+            checkpointing.named_plan(4, self.checkpointing)
         except ValueError as error:
             raise PlanError(str(error)) from None
         return self
@@ -540,7 +540,7 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
     config = copy.deepcopy(spec.config)
     config.use_cache = False
     dtype = setup.weight_dtype
-    model = build_model(config, "meta", dtype=dtype, attn_implementation=setup.attention)
+    model = build_model(config, "meta", dtype=dtype, attn_implementation=supported_attention(config, setup.attention))
     if setup.prepare_kbit:  # peft's prepare_model_for_kbit_training: non-quantized parameters to fp32
         for module in model.modules():
             if not (isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings()):
@@ -808,6 +808,9 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
                      "for activations and the optimizer step's temporaries)")
     else:
         extra, detail = _step_extra(spec, setup, states, "cuda" if cuda else "cpu")
+        if supported_attention(spec.config, setup.attention) != setup.attention:
+            notes.append(f"attention: eager, because transformers' {type(spec.config).__name__.replace('Config', '')} "
+                         f"does not support {setup.attention} (eager stores the s x s attention scores)")
         if setup.checkpointing != "none":
             notes.append(f"checkpointing {setup.checkpointing}: recomputes {detail['recompute_fraction']:.0%} "
                          "of one forward of the layers (lesson 3's cost model)")
@@ -839,8 +842,8 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
     trace = trace_step(spec, setup, target)
     n = len(trace.saved)
     none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
-    boundaries = checkpointing.plan_boundaries(n, setup.checkpointing)
-    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, boundaries, output_bytes=trace.output)
+    segments = checkpointing.named_plan(n, setup.checkpointing)
+    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, segments, output_bytes=trace.output)
     held_change = chosen.forward_bytes - none.forward_bytes   # <= 0: what checkpointing drops
     peak_change = chosen.peak_bytes - none.peak_bytes
     grads = states.gradients
@@ -872,7 +875,7 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         "optimizer_step_peak": step + batch,
         "korthikanti_formula": korthikanti_bytes(setup.batch, setup.seq, hidden, heads, n) if hidden else 0,
         "recompute_fraction": chosen.recompute_fraction,
-        "checkpoint_boundaries": " ".join(map(str, chosen.boundaries)),
+        "checkpoint_segments": " ".join(f"{a}-{b - 1}" for a, b in chosen.plan),
     }
     return max(peak - grads, 0), detail
 

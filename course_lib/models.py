@@ -132,14 +132,36 @@ def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype 
     """
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # e.g. Gemma-2's generation flags under use_cache=False: not the user's concern
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if dtype is not None:
         model = model.to(dtype)
     return model
+
+
+def supported_attention(config, requested: str | None) -> str | None:
+    """The attention a model of this config runs: `requested`, or "eager" where transformers' class
+    refuses SDPA (Gemma-2, whose attention caps its logits) (lessons 1 and 3)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if requested == "sdpa":
+        try:
+            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        except KeyError:
+            return requested
+        if not getattr(model_class, "_supports_sdpa", True):
+            return "eager"
+    return requested
 
 
 @dataclass(frozen=True)

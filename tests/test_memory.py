@@ -171,7 +171,7 @@ def test_checkpointing_goes_through_lesson_3s_cost_model(monkeypatch):
 
     monkeypatch.setattr(checkpointing, "plan_cost", spy)
     plan("gpt2", precision="fp32", batch=1, seq=128, checkpointing="sqrt")
-    assert checkpointing.plan_boundaries(12, "sqrt") in calls  # GPT-2 small has 12 layers
+    assert checkpointing.named_plan(12, "sqrt") in calls  # GPT-2 small has 12 layers
 
 
 def test_checkpointing_lowers_the_peak_of_a_real_decoder_and_reports_recompute():
