@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+from course_lib.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,7 +33,23 @@ def _make_exercises(args: argparse.Namespace) -> int:
 def _grade(args: argparse.Namespace) -> int:
     from course_lib.exercises import grade
 
-    return grade(args.notebooks, args.csv)
+    return grade(args.notebooks, args.csv, reference_dir=args.reference, cell_timeout=args.timeout,
+                 notebook_timeout=args.notebook_timeout, jobs=args.jobs)
+
+
+def _positive(kind: type):
+    """An argparse type: a number above zero (an error says so in one line)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number above zero")
+        return value
+
+    return parse
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -67,10 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--force", action="store_true", help="overwrite exercises that were edited since generated")
     make.set_defaults(run=_make_exercises)
 
-    grade = commands.add_parser("grade", help="run notebooks under nbval and summarise each exercise")
+    grade = commands.add_parser("grade", help="run notebooks with the course's own check cells; PASS/FAIL per exercise")
     grade.add_argument("notebooks", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
                        help="notebooks (.ipynb), or folders of them (e.g. one per learner); not modified")
     grade.add_argument("--csv", metavar="FILE", help="also write a gradebook: one row per notebook and exercise")
+    grade.add_argument("--reference", metavar="DIR", help="the instructor's copy the setup and check cells come "
+                       "from: a folder of the course's exercises or solutions (default: the course's solutions/)")
+    grade.add_argument("--timeout", type=_positive(float), default=300, metavar="SECONDS",
+                       help="the longest a cell may run (default 300)")
+    grade.add_argument("--notebook-timeout", type=_positive(float), default=1800, metavar="SECONDS",
+                       help="the longest a whole notebook may run (default 1800)")
+    grade.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
+                       help="grade N notebooks at once (default 1), each in its own kernel")
     grade.set_defaults(run=_grade)
 
     plan = commands.add_parser("plan", help="predict the memory of a training step and whether it fits a GPU")
