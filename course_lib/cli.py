@@ -30,6 +30,20 @@ def _make_exercises(args: argparse.Namespace) -> int:
     return 1 if any(line.startswith("kept") for line in report) else 0
 
 
+def _kernelspec(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from course_lib.exercises import set_kernelspec
+
+    for folder in args.folders:
+        if not Path(folder).is_dir():
+            raise UserError(f"{folder}: no such folder of notebooks")
+        for path in sorted(Path(folder).glob("*.ipynb")):
+            if set_kernelspec(path):
+                print(f"kernel spec set: {path}")
+    return 0
+
+
 def _grade(args: argparse.Namespace) -> int:
     from course_lib.exercises import grade
 
@@ -94,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
                        help="grade N notebooks at once (default 1), each in its own kernel")
     grade.set_defaults(run=_grade)
+
+    kernelspec = commands.add_parser("kernelspec", help="give notebooks the kernel spec JupyterLab writes, so that "
+                                     "opening one changes nothing (for maintainers, after a merge)")
+    kernelspec.add_argument("folders", nargs="*", default=["notebooks", "solutions"], metavar="FOLDER",
+                            help="folders of notebooks (default: notebooks solutions)")
+    kernelspec.set_defaults(run=_kernelspec)
 
     plan = commands.add_parser("plan", help="predict the memory of a training step and whether it fits a GPU")
     plan.add_argument("model", nargs="?", metavar="MODEL_OR_CONFIG",

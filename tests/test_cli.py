@@ -22,6 +22,7 @@ def snapshot(folder: Path) -> dict:
     (["grade", "empty", "--csv", "grades.ipynb"], "grades.ipynb: the gradebook is a .csv file"),
     (["grade"], "the following arguments are required: NOTEBOOK_OR_FOLDER"),
     (["make-exercises"], "no notebooks in solutions/"),
+    (["kernelspec", "nowhere"], "nowhere: no such folder of notebooks"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, says):
     (tmp_path / "notes.txt").write_text("not a notebook")

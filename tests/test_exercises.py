@@ -81,6 +81,15 @@ def test_exercises_folder_is_exactly_what_the_generator_makes(tmp_path):
         assert generated[name] == committed[name], f"exercises/{name} is stale: run `course-lib make-exercises`"
 
 
+def test_every_committed_notebook_has_the_kernel_spec_jupyterlab_writes():
+    """Else opening a notebook in JupyterLab changes it (autosave rewrites the kernel spec)."""
+    stale = [str(p.relative_to(ROOT)) for folder in ("notebooks", "solutions", "exercises")
+             for p in sorted((ROOT / folder).glob("*.ipynb"))
+             if nbformat.read(p, as_version=4).metadata.get("kernelspec") != jupyterlab_kernelspec()]
+    assert not stale, ("run `course-lib kernelspec notebooks solutions` and "
+                       f"`course-lib make-exercises`: {stale}")
+
+
 def test_set_kernelspec_changes_the_kernel_spec_and_nothing_else(tmp_path):
     path = tmp_path / "x.ipynb"
     notebook = nbformat.read(SOLUTIONS[0], as_version=4)

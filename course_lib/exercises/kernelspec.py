@@ -1,13 +1,12 @@
 """The kernel spec JupyterLab writes into a notebook it saves, so that opening a committed notebook
 changes nothing (CONTRIBUTING.md, "A notebook").
 
-`python -m course_lib.exercises.kernelspec notebooks solutions exercises` rewrites the kernel spec of
-every notebook under those folders (metadata only) and prints the ones it changed.
+`course-lib kernelspec notebooks solutions` rewrites the kernel spec of every notebook in those
+folders (metadata only) and prints the ones it changed.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import nbformat
@@ -30,15 +29,3 @@ def set_kernelspec(path: Path) -> bool:
     notebook.metadata["kernelspec"] = jupyterlab_kernelspec()
     path.write_text(nbformat.writes(notebook) + "\n")
     return True
-
-
-def main(folders: list[str]) -> int:
-    for folder in folders:
-        for path in sorted(Path(folder).glob("*.ipynb")):
-            if set_kernelspec(path):
-                print(f"kernel spec set: {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["notebooks", "solutions"]))
