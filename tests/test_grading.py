@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.exercises import METADATA, identify, load_references, make_exercise, restore
+from course_lib.exercises import METADATA, identify, load_references, make_exercise, restore, run_notebook
 from course_lib.exercises.restore import FRESH_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,17 @@ def test_a_check_moved_before_its_exercise_goes_back_after_it():
     assert restored.restored == {check.id: "moved"} and ids(restored.notebook) == ids(exercise())
 
 
+def test_a_notebook_saved_without_cell_ids_keeps_its_unchanged_checks_in_place():
+    """Older Jupyter and some hosted notebooks drop cell ids: an unchanged check is still recognised."""
+    submission = exercise()
+    for cell in submission.cells:
+        del cell["id"]
+    submission.cells.remove(check_cells(submission)[0])
+    restored = restore(submission, reference())
+    assert list(restored.restored.values()) == ["deleted"] and len(restored.notebook.cells) == len(exercise().cells)
+    assert restored.origin[-2].startswith("Exercise 1.1") and restored.origin[-1].startswith("Exercise 1.2")
+
+
 def test_a_submission_is_identified_by_metadata_then_file_name_then_cell_ids():
     references = load_references(ROOT / "solutions")
     renamed = Path("ada (1).ipynb")
@@ -99,6 +110,13 @@ def test_the_reference_made_from_solutions_is_the_committed_exercise():
     assert reference() == make_exercise(nbformat.read(ROOT / "solutions" / EXERCISE.name, as_version=4),
                                         f"solutions/{EXERCISE.name}", f"exercises/{EXERCISE.name}")
     assert load_references(ROOT / "exercises")[EXERCISE.stem] == exercise()
+
+
+def test_a_notebook_past_its_own_limit_stops_there_though_each_cell_is_within_its_limit(tmp_path):
+    cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(2)") for _ in range(4)]
+    run = run_notebook(nbformat.v4.new_notebook(cells=cells), tmp_path, cell_timeout=60, notebook_timeout=5)
+    assert run.stopped.startswith("timed out: the notebook ran past its 5 s limit") and run.stopped_at in (1, 2, 3)
+    assert set(run.errors.values()) == {""} and len(run.errors) == run.stopped_at
 
 
 # --- the issue's table, graded as a class folder ------------------------------------------------------

@@ -75,16 +75,28 @@ class Restored:
     restored: dict[str, str] = field(default_factory=dict)  # cell id -> "deleted", "edited" or "moved"
 
 
+def _stands_for(submission: nbformat.NotebookNode, protected: dict) -> list[str | None]:
+    """For each cell of a submission, the id of the protected cell it is: by its id, else (a notebook
+    saved without cell ids, or a copied cell) as an unchanged copy of one not found by id."""
+    found = [cell.get("id") if cell.get("id") in protected else None for cell in submission.cells]
+    missing = {record["sha256"]: key for key, record in protected.items() if key not in found}
+    for i, cell in enumerate(submission.cells):
+        if found[i] is None and cell.cell_type == "code":
+            found[i] = missing.pop(source_hash(cell.source), None)
+    return found
+
+
 def restore(submission: nbformat.NotebookNode, reference: nbformat.NotebookNode) -> Restored:
     """The learner's cells with each protected cell from `reference`, in its place (module docstring)."""
     records = reference.metadata[METADATA]["cells"]
     protected = {record["id"]: record for record in records}
-    learner = [(f"cell {n}", cell) for n, cell in enumerate(submission.cells, 1) if cell.get("id") not in protected]
+    stands_for = _stands_for(submission, protected)
+    learner = [(f"cell {n}", cell) for n, (cell, key) in enumerate(zip(submission.cells, stands_for), 1) if key is None]
     at = {cell.get("id"): i for i, (_, cell) in enumerate(learner)}  # the learner's cells, by id
     where_now, before = {}, 0  # where each protected cell sits now: before which of the learner's cells
-    for cell in submission.cells:
-        if cell.get("id") in protected:
-            where_now.setdefault(cell.id, (before, cell))
+    for cell, key in zip(submission.cells, stands_for):
+        if key is not None:
+            where_now.setdefault(key, (before, cell))
         else:
             before += 1
     slots, restored = [], {}
