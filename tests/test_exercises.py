@@ -213,5 +213,5 @@ def test_grading_a_class_passes_the_solutions_and_fails_the_exercises_at_their_c
             assert row["result"] == "PASS" and row["detail"] == "" and row["check_cell"] == "", row
         else:
             assert row["result"] == "FAIL" and "NotImplementedError" in row["detail"], row
-    assert f"{2 * len(SOLUTIONS)} notebooks graded: {len(expected) // 2} of {len(expected)} checks passed" in result.stdout
+    assert f"{2 * len(SOLUTIONS)} notebooks graded: {len(expected) // 2} of {len(expected)} exercises passed" in result.stdout
     assert {p: data for p, data in snapshot(tmp_path).items() if p.suffix == ".ipynb"} == before

@@ -151,8 +151,8 @@ def patched_and_wrapped(notebook):
 
 def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_another(tmp_path):
     """One class run: each submission is FAIL with a one-line reason (the loop under --timeout, the dead
-    kernel at once, a wrong answer with its hint and no traceback), and A's write to B's file reaches
-    nothing. (The honest solutions pass: test_exercises.py.) The loop sleeps, to spare a shared CPU."""
+    kernel at once, a wrong answer with its hint and no traceback, a notebook that is not an exercise or
+    not a notebook at all), and A's write to B's file reaches nothing. (The honest solutions pass: test_exercises.py.) The loop sleeps, to spare a shared CPU."""
     class_dir = tmp_path / "class"
     solved = (ROOT / "solutions" / EXERCISE.name).read_text()
     notebooks = {
@@ -168,6 +168,8 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     }
     (class_dir / "stranger").mkdir()
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), class_dir / "stranger" / "x.ipynb")
+    (class_dir / "corrupt").mkdir()
+    (class_dir / "corrupt" / EXERCISE.name).write_text("{ not json")
     before = {path: path.read_bytes() for path in class_dir.rglob("*.ipynb")}
     result = subprocess.run([COURSE_LIB, "grade", "class", "--csv", "grades.csv", "--timeout", "30", "--jobs", "2"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -178,10 +180,10 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     by_learner = {}
     for row in rows:
         by_learner.setdefault(row["notebook"].split("/")[1], []).append(row)
-    assert set(by_learner) == set(notebooks) | {"stranger"}
+    assert set(by_learner) == set(notebooks) | {"stranger", "corrupt"}
     for learner, learner_rows in by_learner.items():
         checks = [row for row in learner_rows if row["exercise"].startswith("Exercise 1.")]
-        assert learner == "stranger" or len(checks) == 2, learner_rows
+        assert learner in ("stranger", "corrupt") or len(checks) == 2, learner_rows
         assert all(row["result"] == "FAIL" and row["detail"] and "\n" not in row["detail"] for row in learner_rows)
     reasons = {learner: {row["detail"].split(":")[0].split(" in ")[0] for row in rows
                          if row["exercise"].startswith("Exercise")} for learner, rows in by_learner.items()}
@@ -193,6 +195,7 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     assert notes == {"restored: deleted", "restored: edited", ""}
     assert "FileNotFoundError" in " ".join(row["detail"] for row in by_learner["a_cheat"])
     assert by_learner["stranger"][0]["detail"].startswith("not one of the course's exercises")
+    assert by_learner["corrupt"][0]["detail"].startswith("not a readable notebook (")
     hint = next(row["detail"] for row in by_learner["wrong"] if row["exercise"].startswith("Exercise 1.1"))
     assert "B/param" in hint and not hint.startswith("CheckFailed")
     assert "Traceback" not in result.stdout and "course_lib/" not in result.stdout

@@ -34,6 +34,7 @@ class Graded:
 
     lines: list[str]
     rows: list[list[str]]
+    exercises: int  # how many exercises it counts for (1 when the notebook could not be graded at all)
 
 
 def default_reference() -> Path:
@@ -41,14 +42,14 @@ def default_reference() -> Path:
     return Path(course_lib.__file__).resolve().parents[1] / "solutions"
 
 
-def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: float,
-                   notebook_timeout: float) -> Graded:
+def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: float, notebook_timeout: float,
+                   problem: str = "") -> Graded:
     """Grade one submission (its path, for the report, and its text); `reference` is its exercise from
-    the instructor's copy, None when it could not be identified."""
+    the instructor's copy, None when there is none (`problem` then says why)."""
     lines = [f"Grading {path}"]
     if reference is None:
-        detail = "not one of the course's exercises (no exercise of this name or with these cells in the reference)"
-        return Graded(lines + [f"  FAIL  {detail}"], [[path, "(the whole notebook)", "FAIL", detail, ""]])
+        detail = problem or "not one of the course's exercises (no exercise of this name or with these cells)"
+        return Graded(lines + [f"  FAIL  {detail}"], [[path, "(the whole notebook)", "FAIL", detail, ""]], 1)
     restored = restore(nbformat.reads(text, as_version=4), nbformat.from_dict(reference))
     with tempfile.TemporaryDirectory(prefix="course-lib-grade-", ignore_cleanup_errors=True) as folder:
         nbformat.write(restored.notebook, Path(folder) / Path(path).name)
@@ -75,7 +76,7 @@ def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: f
     checks = [record for record in restored.records if record["role"] == "check"]
     passed = sum(1 for row in rows if row[2] == "PASS")
     lines.append(f"  {passed} of {len(checks)} exercises passed")
-    return Graded(lines, rows)
+    return Graded(lines, rows, len(checks))
 
 
 def notebooks_to_grade(paths: list[str]) -> list[Path]:
@@ -93,17 +94,21 @@ def notebooks_to_grade(paths: list[str]) -> list[Path]:
     return found
 
 
-def _read_submission(path: Path) -> tuple[bytes, nbformat.NotebookNode]:
+def _read_submission(path: Path) -> tuple[bytes, nbformat.NotebookNode | None, str]:
+    """The file's bytes, the notebook (None when it cannot be read) and why it cannot be read."""
     if not path.exists():
         raise UserError(f"{path}: no such file; give the path of a notebook, e.g. exercises/00_measuring_memory.ipynb")
     if path.suffix != ".ipynb":
         raise UserError(f"{path}: not a notebook (.ipynb); give the path of a notebook to grade")
     try:
         data = path.read_bytes()
-        return data, nbformat.reads(data.decode(), as_version=4)
-    except Exception as error:  # an OSError, or one of the kinds nbformat raises on a broken file
-        raise UserError(f"{path}: not a readable notebook ({type(error).__name__}); "
-                        "re-download it or regenerate it with course-lib make-exercises") from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot read it ({error.strerror})") from None
+    try:
+        return data, nbformat.reads(data.decode(), as_version=4), ""
+    except Exception as error:  # nbformat raises several kinds on a broken file
+        return data, None, f"not a readable notebook ({type(error).__name__}): re-download it or start again " \
+                           "from the exercise"
 
 
 def _check_gradebook_path(csv_path: str) -> None:
@@ -129,8 +134,8 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
     references = load_references(reference)
     paths_found = notebooks_to_grade(paths)
     submissions = [(path, *_read_submission(path)) for path in paths_found]  # all read before any runs
-    tasks = [(str(path), data.decode(), references.get(identify(notebook, path, references)), cell_timeout,
-              notebook_timeout) for path, data, notebook in submissions]
+    tasks = [(str(path), data.decode(errors="replace"), notebook and references.get(identify(notebook, path, references)),
+              cell_timeout, notebook_timeout, problem) for path, data, notebook, problem in submissions]
     results: dict[int, Graded] = {}
     with tqdm(total=len(tasks), unit="notebook", file=sys.stderr, disable=True if len(tasks) < 2 else None) as bar:
         def done(i: int, graded: Graded) -> None:
@@ -150,7 +155,7 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
     _put_back_changed(submissions)
     if len(tasks) > 1:
         passed = sum(1 for row in rows if row[2] == "PASS")
-        print(f"{len(tasks)} notebooks graded: {passed} of {len(rows)} checks passed")
+        print(f"{len(tasks)} notebooks graded: {passed} of {sum(r.exercises for r in results.values())} exercises passed")
     if csv_path is not None:
         try:
             with open(csv_path, "w", newline="") as file:
@@ -161,14 +166,17 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
     return 0 if rows and all(row[2] == "PASS" for row in rows) else 1
 
 
-def _put_back_changed(submissions: list[tuple[Path, bytes, nbformat.NotebookNode]]) -> None:
+def _put_back_changed(submissions: list[tuple]) -> None:
     """A submission's code may have written another submission's file by its absolute path: put the
     file back as it was read (each was graded from what was read, before any ran)."""
-    for path, data, _ in submissions:
+    for path, data, *_ in submissions:
         try:
-            changed = path.read_bytes() != data
+            if path.read_bytes() == data:
+                continue
         except OSError:
-            changed = True
-        if changed:
+            pass
+        try:
             path.write_bytes(data)
             print(f"put back {path}: a submission's code changed it while grading")
+        except OSError as error:
+            print(f"{path}: a submission's code changed it while grading, and it cannot be put back ({error.strerror})")
