@@ -152,7 +152,8 @@ def patched_and_wrapped(notebook):
 def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_another(tmp_path):
     """One class run: each submission is FAIL with a one-line reason (the loop under --timeout, the dead
     kernel at once, a wrong answer with its hint and no traceback, a notebook that is not an exercise or
-    not a notebook at all), and A's write to B's file reaches nothing. (The honest solutions pass: test_exercises.py.) The loop sleeps, to spare a shared CPU."""
+    not a notebook at all); A's write to B's file reaches nothing, and C's, by its absolute path, changes
+    neither B's grade nor, in the end, B's file. (The honest solutions pass: test_exercises.py.) The loop sleeps, to spare a shared CPU."""
     class_dir = tmp_path / "class"
     solved = (ROOT / "solutions" / EXERCISE.name).read_text()
     notebooks = {
@@ -163,6 +164,8 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
         "a_cheat": variant(class_dir / "a_cheat", append_to_answer(
             f"open('../b_victim/{EXERCISE.name}', 'w').write({solved!r})")),
         "b_victim": variant(class_dir / "b_victim"),
+        "c_cheat": variant(class_dir / "c_cheat", append_to_answer(  # by its absolute path, this time
+            f"open({str(class_dir / 'b_victim' / EXERCISE.name)!r}, 'w').write({solved!r})")),
         "wrong": variant(class_dir / "wrong", lambda nb: setattr(nb.cells[3], "source", nb.cells[3].source.replace(
             "raise NotImplementedError()", "return 16 * n_params"))),
     }
@@ -189,7 +192,7 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
                          if row["exercise"].startswith("Exercise")} for learner, rows in by_learner.items()}
     assert reasons["loops"] == {"timed out"} and reasons["dies"] == {"kernel died"}, by_learner
     assert all("cell 4 " in row["detail"] for row in by_learner["loops"] + by_learner["dies"])  # the answer cell
-    for learner in ("deleted_and_commented", "patched_and_wrapped", "a_cheat", "b_victim"):
+    for learner in ("deleted_and_commented", "patched_and_wrapped", "a_cheat", "b_victim", "c_cheat"):
         assert reasons[learner] == {"not done yet"}, by_learner[learner]
     notes = {row["check_cell"] for row in by_learner["deleted_and_commented"] + by_learner["patched_and_wrapped"]}
     assert notes == {"restored: deleted", "restored: edited", ""}
@@ -199,7 +202,7 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     hint = next(row["detail"] for row in by_learner["wrong"] if row["exercise"].startswith("Exercise 1.1"))
     assert "B/param" in hint and not hint.startswith("CheckFailed")
     assert "Traceback" not in result.stdout and "course_lib/" not in result.stdout
-    assert "put back" not in result.stdout  # nothing had to be: no submission reached another's file
+    assert f"put back class/b_victim/{EXERCISE.name}: a submission's code changed it" in result.stdout
 
 
 @pytest.mark.parametrize("args, says", [
