@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--timeout", type=_positive(float), default=300, metavar="SECONDS",
                        help="the longest a cell may run (default 300)")
     grade.add_argument("--notebook-timeout", type=_positive(float), default=1800, metavar="SECONDS",
-                       help="the longest a whole notebook may run (default 1800)")
+                       help="the longest a whole notebook may run, once its kernel is up (default 1800)")
     grade.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
                        help="grade N notebooks at once (default 1), each in its own kernel")
     grade.set_defaults(run=_grade)

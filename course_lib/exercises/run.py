@@ -52,17 +52,18 @@ def run_notebook(notebook: nbformat.NotebookNode, folder: Path, cell_timeout: fl
                  notebook_timeout: float) -> NotebookRun:
     """Run `notebook`'s code cells in a new kernel started in `folder`; each cell may take
     `cell_timeout` seconds and all of them `notebook_timeout`. The notebook's outputs are filled in."""
-    deadline = time.monotonic() + notebook_timeout
+    deadline = math.inf  # set once the kernel is up: the limits are the notebook's code's
 
     def limit(cell) -> int:
         return max(1, math.ceil(min(cell_timeout, deadline - time.monotonic())))
 
     client = NotebookClient(notebook, timeout_func=limit, kernel_name="python3", kernel_manager_class=_ThisPythonsKernel,
                             resources={"metadata": {"path": str(folder)}}, force_raise_errors=True,
-                            shutdown_kernel="immediate", startup_timeout=min(120, notebook_timeout))
+                            shutdown_kernel="immediate", startup_timeout=120)
     run = NotebookRun()
     try:
         with client.setup_kernel(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+            deadline = time.monotonic() + notebook_timeout
             for index, cell in enumerate(notebook.cells):
                 if cell.cell_type != "code":
                     continue
