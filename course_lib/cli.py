@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+from course_lib.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,10 +30,40 @@ def _make_exercises(args: argparse.Namespace) -> int:
     return 1 if any(line.startswith("kept") for line in report) else 0
 
 
+def _kernelspec(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from course_lib.exercises import set_kernelspec
+
+    for folder in args.folders:
+        if not Path(folder).is_dir():
+            raise UserError(f"{folder}: no such folder of notebooks")
+        for path in sorted(Path(folder).glob("*.ipynb")):
+            if set_kernelspec(path):
+                print(f"kernel spec set: {path}")
+    return 0
+
+
 def _grade(args: argparse.Namespace) -> int:
     from course_lib.exercises import grade
 
-    return grade(args.notebooks, args.csv)
+    return grade(args.notebooks, args.csv, reference_dir=args.reference, cell_timeout=args.timeout,
+                 notebook_timeout=args.notebook_timeout, jobs=args.jobs)
+
+
+def _positive(kind: type):
+    """An argparse type: a number above zero (an error says so in one line)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number above zero")
+        return value
+
+    return parse
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -67,11 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--force", action="store_true", help="overwrite exercises that were edited since generated")
     make.set_defaults(run=_make_exercises)
 
-    grade = commands.add_parser("grade", help="run notebooks under nbval and summarise each exercise")
+    grade = commands.add_parser("grade", help="run notebooks with the course's own check cells; PASS/FAIL per exercise")
     grade.add_argument("notebooks", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
                        help="notebooks (.ipynb), or folders of them (e.g. one per learner); not modified")
     grade.add_argument("--csv", metavar="FILE", help="also write a gradebook: one row per notebook and exercise")
+    grade.add_argument("--reference", metavar="DIR", help="the instructor's copy the setup and check cells come "
+                       "from: a folder of the course's exercises or solutions (default: the course's solutions/)")
+    grade.add_argument("--timeout", type=_positive(float), default=300, metavar="SECONDS",
+                       help="the longest a cell may run (default 300)")
+    grade.add_argument("--notebook-timeout", type=_positive(float), default=1800, metavar="SECONDS",
+                       help="the longest a whole notebook may run, once its kernel is up (default 1800)")
+    grade.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
+                       help="grade N notebooks at once (default 1), each in its own kernel")
     grade.set_defaults(run=_grade)
+
+    kernelspec = commands.add_parser("kernelspec", help="give notebooks the kernel spec JupyterLab writes, so that "
+                                     "opening one changes nothing (for maintainers, after a merge)")
+    kernelspec.add_argument("folders", nargs="*", default=["notebooks", "solutions"], metavar="FOLDER",
+                            help="folders of notebooks (default: notebooks solutions)")
+    kernelspec.set_defaults(run=_kernelspec)
 
     plan = commands.add_parser("plan", help="predict the memory of a training step and whether it fits a GPU")
     plan.add_argument("model", nargs="?", metavar="MODEL_OR_CONFIG",

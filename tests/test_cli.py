@@ -16,16 +16,15 @@ def snapshot(folder: Path) -> dict:
 @pytest.mark.parametrize("args, says", [
     (["grade", "missing.ipynb"], "missing.ipynb: no such file"),
     (["grade", "notes.txt"], "notes.txt: not a notebook (.ipynb)"),
-    (["grade", "broken.ipynb"], "broken.ipynb: not a readable notebook"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["grade", "empty"], "empty: no notebooks (.ipynb) in this folder"),
     (["grade", "empty", "--csv", "grades.ipynb"], "grades.ipynb: the gradebook is a .csv file"),
     (["grade"], "the following arguments are required: NOTEBOOK_OR_FOLDER"),
     (["make-exercises"], "no notebooks in solutions/"),
+    (["kernelspec", "nowhere"], "nowhere: no such folder of notebooks"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, says):
     (tmp_path / "notes.txt").write_text("not a notebook")
-    (tmp_path / "broken.ipynb").write_text("{ this is not json")
     (tmp_path / "empty" / ".ipynb_checkpoints").mkdir(parents=True)
     (tmp_path / "empty" / ".ipynb_checkpoints" / "old-checkpoint.ipynb").write_text("{}")
     before = snapshot(tmp_path)

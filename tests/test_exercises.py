@@ -1,4 +1,4 @@
-"""The exercise pipeline: generation from solutions/, protection of learners' work, grading (README)."""
+"""The exercise pipeline: generation from solutions/, protection of learners' work (README)."""
 
 import csv
 import json
@@ -11,8 +11,8 @@ import nbformat
 import pytest
 
 from course_lib.course import colab_url
-from course_lib.exercises import (BEGIN, END, exercise_checks, make_exercise, run_nbval, strip_solutions,
-                                  write_exercises)
+from course_lib.exercises import (BEGIN, END, METADATA, jupyterlab_kernelspec, learner_fingerprint, make_exercise,
+                                  protected_cells, set_kernelspec, strip_solutions, write_exercises)
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -21,6 +21,10 @@ COURSE_LIB = str(Path(sys.executable).parent / "course-lib")
 
 def course_lib(*args, cwd=ROOT):
     return subprocess.run([COURSE_LIB, *args], capture_output=True, text=True, cwd=cwd)
+
+
+def snapshot(folder: Path) -> dict:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 def test_strip_solutions_keeps_the_indentation_and_the_rest():
@@ -39,7 +43,7 @@ def test_unbalanced_markers_are_clear_errors(source, problem):
         strip_solutions(source, "solutions/x.ipynb cell 3")
 
 
-def test_make_exercise_has_stubs_no_outputs_and_its_own_badge():
+def test_make_exercise_has_stubs_no_outputs_its_own_badge_and_the_record_of_its_check_cells():
     solution = nbformat.read(SOLUTIONS[0], as_version=4)
     exercise = make_exercise(solution, f"solutions/{SOLUTIONS[0].name}", f"exercises/{SOLUTIONS[0].name}")
     code = [cell for cell in exercise.cells if cell.cell_type == "code"]
@@ -48,12 +52,24 @@ def test_make_exercise_has_stubs_no_outputs_and_its_own_badge():
     assert sum("raise NotImplementedError()" in cell.source for cell in code) >= 1
     assert colab_url(f"exercises/{SOLUTIONS[0].name}") in exercise.cells[0].source
     assert colab_url(f"solutions/{SOLUTIONS[0].name}") not in exercise.cells[0].source
+    record = exercise.metadata[METADATA]
+    assert record["exercise"] == SOLUTIONS[0].stem
+    assert [cell["role"] for cell in record["cells"]][0] == "setup" and record["cells"][0]["id"] == code[0].id
+    checks = [cell for cell in code if "checks.check_" in cell.source]
+    assert [cell["id"] for cell in record["cells"][1:]] == [cell.id for cell in checks]
+    assert exercise.metadata["kernelspec"] == jupyterlab_kernelspec()
 
 
 def test_a_solution_without_an_exercise_is_an_error():
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
     with pytest.raises(ValueError, match="no ### BEGIN SOLUTION"):
         make_exercise(notebook, "solutions/x.ipynb", "exercises/x.ipynb")
+
+
+def test_every_exercise_of_the_course_records_a_setup_cell_and_a_check_per_exercise():
+    for solution in SOLUTIONS:
+        cells = protected_cells(nbformat.read(solution, as_version=4), solution.name)
+        assert cells[0]["role"] == "setup" and any(cell["role"] == "check" for cell in cells), solution.name
 
 
 def test_exercises_folder_is_exactly_what_the_generator_makes(tmp_path):
@@ -63,6 +79,25 @@ def test_exercises_folder_is_exactly_what_the_generator_makes(tmp_path):
     assert generated.keys() == committed.keys(), "run `course-lib make-exercises` and commit exercises/"
     for name in generated:
         assert generated[name] == committed[name], f"exercises/{name} is stale: run `course-lib make-exercises`"
+
+
+def test_every_committed_notebook_has_the_kernel_spec_jupyterlab_writes():
+    """Else opening a notebook in JupyterLab changes it (autosave rewrites the kernel spec)."""
+    stale = [str(p.relative_to(ROOT)) for folder in ("notebooks", "solutions", "exercises")
+             for p in sorted((ROOT / folder).glob("*.ipynb"))
+             if nbformat.read(p, as_version=4).metadata.get("kernelspec") != jupyterlab_kernelspec()]
+    assert not stale, ("run `course-lib kernelspec notebooks solutions` and "
+                       f"`course-lib make-exercises`: {stale}")
+
+
+def test_set_kernelspec_changes_the_kernel_spec_and_nothing_else(tmp_path):
+    path = tmp_path / "x.ipynb"
+    notebook = nbformat.read(SOLUTIONS[0], as_version=4)
+    notebook.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nbformat.write(notebook, path)
+    assert set_kernelspec(path) and not set_kernelspec(path)
+    notebook.metadata["kernelspec"] = jupyterlab_kernelspec()
+    assert path.read_text() == nbformat.writes(notebook) + "\n"
 
 
 def test_a_learners_edited_exercise_survives_regeneration(tmp_path):
@@ -80,55 +115,103 @@ def test_a_learners_edited_exercise_survives_regeneration(tmp_path):
     assert forced.returncode == 0 and exercise.read_text() != learners_work
 
 
-def test_an_unedited_exercise_follows_its_solution(tmp_path):
+def test_an_exercise_only_opened_and_run_is_not_the_learners_work(tmp_path):
+    """JupyterLab rewrites the metadata (kernel spec, language version) and a run adds outputs:
+    neither is an edit, so a changed solution still updates the exercise."""
     shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
     write_exercises(tmp_path / "solutions", tmp_path / "exercises")
+    exercise = tmp_path / "exercises" / SOLUTIONS[0].name
+    opened = nbformat.read(exercise, as_version=4)
+    opened.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    opened.metadata["language_info"]["version"] = "3.12.1"
+    opened.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="OK   python\n")]
+    opened.cells[1].execution_count, opened.cells[1].metadata["scrolled"] = 1, True
+    nbformat.write(opened, exercise)
+    assert learner_fingerprint(opened) == learner_fingerprint(nbformat.read(ROOT / "exercises" / exercise.name, 4))
+
     solution = tmp_path / "solutions" / SOLUTIONS[0].name
     notebook = nbformat.read(solution, as_version=4)
     notebook.cells.append(nbformat.v4.new_markdown_cell("A new closing remark."))
     nbformat.write(notebook, solution)
     report = write_exercises(tmp_path / "solutions", tmp_path / "exercises")
-    assert f"updated {tmp_path / 'exercises' / SOLUTIONS[0].name}" in report
-    assert "A new closing remark." in (tmp_path / "exercises" / SOLUTIONS[0].name).read_text()
+    assert f"updated {exercise}" in report
+    assert "A new closing remark." in exercise.read_text()
     manifest = json.loads((tmp_path / "exercises" / ".generated.json").read_text())
     assert set(manifest) == {p.name for p in SOLUTIONS}
 
 
+def test_make_exercises_refuses_to_write_over_the_solutions(tmp_path):
+    shutil.copytree(ROOT / "solutions", tmp_path / "s2")
+    before = snapshot(tmp_path)
+    for exercises in ("s2", "./s2/", str(tmp_path / "s2")):
+        result = course_lib("make-exercises", "--solutions", "s2", "--exercises", exercises, "--force", cwd=tmp_path)
+        assert result.returncode == 2 and "are the same folder" in result.stderr, result.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_a_broken_solution_stops_make_exercises_before_anything_is_written(tmp_path):
+    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
+    last = tmp_path / "solutions" / SOLUTIONS[-1].name
+    last.write_text(last.read_text().replace(END, "", 1))  # an unfinished block in the last one
+    result = course_lib("make-exercises", cwd=tmp_path)
+    assert result.returncode == 2 and "without ### END SOLUTION; nothing was written" in result.stderr
+    assert not (tmp_path / "exercises").exists()
+
+
+def test_the_manifest_records_each_exercise_as_soon_as_it_is_written(tmp_path):
+    """A run stopped by a write error keeps the record of what it wrote: the next run updates
+    those exercises instead of keeping them as 'edited since generated'."""
+    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
+    (tmp_path / "exercises" / SOLUTIONS[2].name).mkdir(parents=True)  # the third cannot be written
+    stopped = course_lib("make-exercises", cwd=tmp_path)
+    assert stopped.returncode == 2 and f"exercises/{SOLUTIONS[2].name}: cannot write it" in stopped.stderr
+    assert set(json.loads((tmp_path / "exercises" / ".generated.json").read_text())) == {p.name for p in SOLUTIONS[:2]}
+    (tmp_path / "exercises" / SOLUTIONS[2].name).rmdir()
+    again = course_lib("make-exercises", cwd=tmp_path)
+    assert again.returncode == 0 and "kept" not in again.stdout, again.stdout
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda ex: (ex / ".generated.json").write_text("{ not json"), "cannot read the record of generated exercises"),
+    (lambda ex: (ex / ".generated.json").write_text("[1, 2]"), "not a record of generated exercises"),
+    (lambda ex: shutil.rmtree(ex) or ex.write_text("a file where the folder goes"), "cannot write it"),
+])
+def test_a_damaged_exercises_folder_is_one_clear_line_and_loses_nothing(tmp_path, damage, says):
+    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
+    write_exercises(tmp_path / "solutions", tmp_path / "exercises")
+    exercise = tmp_path / "exercises" / SOLUTIONS[0].name
+    exercise.write_text(exercise.read_text().replace("raise NotImplementedError()", "return 42", 1))
+    damage(tmp_path / "exercises")
+    before = snapshot(tmp_path)
+    result = course_lib("make-exercises", cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_unsolved_exercise_fails_only_at_its_check_cells(solution):
-    exercise = ROOT / "exercises" / solution.name
-    checks = exercise_checks(nbformat.read(exercise, as_version=4))
-    assert checks, f"{exercise.name} has no check cell (checks.check_...)"
-    failed = {result.index for result in run_nbval(exercise) if result.outcome == "failed"}
-    assert failed == set(checks)
-
-
-def test_grading_a_folder_of_submissions_passes_solutions_fails_exercises_and_writes_a_gradebook(tmp_path):
+def test_grading_passes_the_solution_and_fails_the_exercise_at_its_checks_only(tmp_path, solution):
     """An instructor's run: one folder per learner, one solved and one untouched; every notebook is
-    graded once, and each (notebook, exercise) is one row of the CSV gradebook."""
+    graded once, each (notebook, exercise) is one CSV row, the untouched exercise fails only at its
+    checks (no other cell fails), and no notebook is modified."""
     solved, unsolved = tmp_path / "submissions" / "ada", tmp_path / "submissions" / "bob"
-    shutil.copytree(ROOT / "solutions", solved)
-    shutil.copytree(ROOT / "exercises", unsolved, ignore=shutil.ignore_patterns(".*"))
+    for folder, source in ((solved, solution), (unsolved, ROOT / "exercises" / solution.name)):
+        folder.mkdir(parents=True)
+        shutil.copy(source, folder)
     (solved / ".ipynb_checkpoints").mkdir()  # Jupyter's autosaves are not submissions
-    shutil.copy(ROOT / "exercises" / SOLUTIONS[0].name, solved / ".ipynb_checkpoints" / "x-checkpoint.ipynb")
-    result = course_lib("grade", "submissions", "--csv", "grades.csv", cwd=tmp_path)
+    shutil.copy(ROOT / "exercises" / solution.name, solved / ".ipynb_checkpoints" / "x-checkpoint.ipynb")
+    before = snapshot(tmp_path)
+    result = course_lib("grade", "submissions", "--csv", "grades.csv", "--jobs", "2", cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     with open(tmp_path / "grades.csv", newline="") as file:
         rows = list(csv.DictReader(file))
-    checks = {s.name: exercise_checks(nbformat.read(s, as_version=4)) for s in SOLUTIONS}
-    expected = {(f"submissions/{learner}/{name}", label) for learner in ("ada", "bob")
-                for name, labels in checks.items() for label in labels.values()}
+    labels = [cell["label"] for cell in protected_cells(nbformat.read(solution, as_version=4)) if cell["role"] == "check"]
+    expected = {(f"submissions/{learner}/{solution.name}", label) for learner in ("ada", "bob") for label in labels}
     assert {(row["notebook"], row["exercise"]) for row in rows} == expected and len(rows) == len(expected)
     for row in rows:
         if "/ada/" in row["notebook"]:
-            assert row["result"] == "PASS" and row["detail"] == "", row
+            assert row["result"] == "PASS" and row["detail"] == "" and row["check_cell"] == "", row
         else:
             assert row["result"] == "FAIL" and "NotImplementedError" in row["detail"], row
-    assert f"{2 * len(SOLUTIONS)} notebooks graded: {len(expected) // 2} of {len(expected)} checks passed" in result.stdout
-
-
-def test_grading_does_not_modify_the_notebook():
-    exercise = ROOT / "exercises" / SOLUTIONS[0].name
-    before = exercise.read_bytes()
-    course_lib("grade", str(exercise))
-    assert exercise.read_bytes() == before
+    assert f"2 notebooks graded: {len(labels)} of {2 * len(labels)} exercises passed" in result.stdout
+    assert {p: data for p, data in snapshot(tmp_path).items() if p.suffix == ".ipynb"} == before

@@ -1,0 +1,182 @@
+"""`course-lib grade`: PASS/FAIL per exercise, for one notebook or a class's folder (README,
+"Exercises and grading").
+
+Every submission is read before any runs. Each runs from a copy in a fresh temporary folder, with its
+setup and check cells from the instructor's copy (restore.py), under a per-cell and a per-notebook time
+limit; an exercise passes only when its check cell ran without an error. Folders are graded with a
+progress bar, optionally several notebooks at once, into an optional CSV gradebook.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import nbformat
+from tqdm.auto import tqdm
+
+import course_lib
+from course_lib.errors import UserError
+from course_lib.exercises.restore import identify, load_references, restore
+from course_lib.exercises.run import run_notebook
+
+COLUMNS = ["notebook", "exercise", "result", "detail", "check_cell"]
+
+
+@dataclass
+class Graded:
+    """One notebook's result: the lines to print and one gradebook row per exercise (COLUMNS)."""
+
+    lines: list[str]
+    rows: list[list[str]]
+    exercises: int  # how many exercises it counts for (1 when the notebook could not be graded at all)
+
+
+def default_reference() -> Path:
+    """The course's own solutions/ (the single source of exercises/), next to the installed course_lib."""
+    return Path(course_lib.__file__).resolve().parents[1] / "solutions"
+
+
+def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: float, notebook_timeout: float,
+                   problem: str = "") -> Graded:
+    """Grade one submission (its path, for the report, and its text); `reference` is its exercise from
+    the instructor's copy, None when there is none (`problem` then says why)."""
+    lines = [f"Grading {path}"]
+    if reference is None:
+        detail = problem or "not one of the course's exercises (no exercise of this name or with these cells)"
+        return Graded(lines + [f"  FAIL  {detail}"], [[path, "(the whole notebook)", "FAIL", detail, ""]], 1)
+    restored = restore(nbformat.reads(text, as_version=4), nbformat.from_dict(reference))
+    with tempfile.TemporaryDirectory(prefix="course-lib-grade-", ignore_cleanup_errors=True) as folder:
+        nbformat.write(restored.notebook, Path(folder) / Path(path).name)
+        run = run_notebook(restored.notebook, Path(folder), cell_timeout, notebook_timeout)
+    index_of = {cell.get("id"): i for i, cell in enumerate(restored.notebook.cells)}
+    rows = []
+    for record in restored.records:
+        note = f"restored: {restored.restored[record['id']]}" if record["id"] in restored.restored else ""
+        if note:
+            lines.append(f"  restored {record['label']}: it was {restored.restored[record['id']]}")
+        index = index_of[record["id"]]
+        if index in run.errors:
+            result, detail = ("FAIL", run.errors[index]) if run.errors[index] else ("PASS", "")
+        else:
+            where = restored.origin[run.stopped_at] if run.stopped_at is not None else "a cell"
+            result, detail = "FAIL", run.stopped.replace("{where}", where) if run.stopped else "did not run"
+        if record["role"] == "check" or result == "FAIL":
+            rows.append([path, record["label"], result, detail, note])
+    protected = set(index_of[record["id"]] for record in restored.records)
+    for index, error in sorted(run.errors.items()):
+        if error and index not in protected:
+            rows.append([path, f"{restored.origin[index]} (not a check)", "FAIL", error, ""])
+    lines += [f"  {result}  {label}" + (f": {detail}" if detail else "") for _, label, result, detail, _ in rows]
+    checks = [record for record in restored.records if record["role"] == "check"]
+    passed = sum(1 for row in rows if row[2] == "PASS")
+    lines.append(f"  {passed} of {len(checks)} exercises passed")
+    return Graded(lines, rows, len(checks))
+
+
+def notebooks_to_grade(paths: list[str]) -> list[Path]:
+    """Each notebook named, and every notebook under each folder named (a class's submissions, one
+    folder per learner, say), in order; Jupyter's .ipynb_checkpoints copies are skipped."""
+    found = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+            if not inside:
+                raise UserError(f"{path}: no notebooks (.ipynb) in this folder")
+            found += inside
+        else:
+            found.append(path)
+    return found
+
+
+def _read_submission(path: Path) -> tuple[bytes, nbformat.NotebookNode | None, str]:
+    """The file's bytes, the notebook (None when it cannot be read) and why it cannot be read."""
+    if not path.exists():
+        raise UserError(f"{path}: no such file; give the path of a notebook, e.g. exercises/00_measuring_memory.ipynb")
+    if path.suffix != ".ipynb":
+        raise UserError(f"{path}: not a notebook (.ipynb); give the path of a notebook to grade")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"{path}: cannot read it ({error.strerror})") from None
+    try:
+        return data, nbformat.reads(data.decode(), as_version=4), ""
+    except Exception as error:  # nbformat raises several kinds on a broken file
+        return data, None, f"not a readable notebook ({type(error).__name__}): re-download it or start again " \
+                           "from the exercise"
+
+
+def _check_gradebook_path(csv_path: str) -> None:
+    where = Path(csv_path)
+    if where.suffix == ".ipynb":
+        raise UserError(f"{csv_path}: the gradebook is a .csv file, not a notebook")
+    if where.is_dir():
+        raise UserError(f"{csv_path}: a folder; give the gradebook a file name, e.g. {where / 'grades.csv'}")
+    if not where.parent.is_dir():
+        raise UserError(f"{csv_path}: no folder {where.parent} to write the gradebook in")
+
+
+def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | None = None,
+          cell_timeout: float = 300, notebook_timeout: float = 1800, jobs: int = 1) -> int:
+    """Grade notebooks and folders of notebooks: print PASS/FAIL per exercise with the check's hint, and
+    write one CSV row per notebook and exercise to `csv_path` when given; 0 only when all pass."""
+    if csv_path is not None:
+        _check_gradebook_path(csv_path)
+    reference = Path(reference_dir) if reference_dir else default_reference()
+    if not reference.is_dir():
+        raise UserError(f"{reference}: no such folder to take the check cells from; give --reference the "
+                        "course's exercises/ or solutions/ folder")
+    references = load_references(reference)
+    paths_found = notebooks_to_grade(paths)
+    submissions = [(path, *_read_submission(path)) for path in paths_found]  # all read before any runs
+    tasks = [(str(path), data.decode(errors="replace"), notebook and references.get(identify(notebook, path, references)),
+              cell_timeout, notebook_timeout, problem) for path, data, notebook, problem in submissions]
+    results: dict[int, Graded] = {}
+    with tqdm(total=len(tasks), unit="notebook", file=sys.stderr, disable=True if len(tasks) < 2 else None) as bar:
+        def done(i: int, graded: Graded) -> None:
+            results[i] = graded
+            bar.write("\n".join(graded.lines), file=sys.stdout)
+            bar.update()
+
+        if jobs > 1 and len(tasks) > 1:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+                futures = {pool.submit(grade_notebook, *task): i for i, task in enumerate(tasks)}
+                for future in as_completed(futures):
+                    done(futures[future], future.result())
+        else:
+            for i, task in enumerate(tasks):
+                done(i, grade_notebook(*task))
+    rows = [row for i in sorted(results) for row in results[i].rows]
+    _put_back_changed(submissions)
+    if len(tasks) > 1:
+        passed = sum(1 for row in rows if row[2] == "PASS")
+        print(f"{len(tasks)} notebooks graded: {passed} of {sum(r.exercises for r in results.values())} exercises passed")
+    if csv_path is not None:
+        try:
+            with open(csv_path, "w", newline="") as file:
+                csv.writer(file).writerows([COLUMNS, *rows])
+        except OSError as error:
+            raise UserError(f"{csv_path}: cannot write the gradebook ({error.strerror})") from None
+        print(f"gradebook: {csv_path}")
+    return 0 if rows and all(row[2] == "PASS" for row in rows) else 1
+
+
+def _put_back_changed(submissions: list[tuple]) -> None:
+    """A submission's code may have written another submission's file by its absolute path: put the
+    file back as it was read (each was graded from what was read, before any ran)."""
+    for path, data, *_ in submissions:
+        try:
+            if path.read_bytes() == data:
+                continue
+        except OSError:
+            pass
+        try:
+            path.write_bytes(data)
+            print(f"put back {path}: a submission's code changed it while grading")
+        except OSError as error:
+            print(f"{path}: a submission's code changed it while grading, and it cannot be put back ({error.strerror})")

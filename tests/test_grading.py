@@ -1,0 +1,219 @@
+"""`course-lib grade`: check cells from the instructor's copy, time limits, isolated submissions (README,
+"Exercises and grading"). The runs use lesson 1's exercise, the quickest, and a short --timeout."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_lib.exercises import METADATA, identify, load_references, make_exercise, restore, run_notebook
+from course_lib.exercises.restore import FRESH_CHECKS
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISE = ROOT / "exercises" / "01_adam_memory.ipynb"
+COURSE_LIB = str(Path(sys.executable).parent / "course-lib")
+
+
+def exercise():
+    return nbformat.read(EXERCISE, as_version=4)
+
+
+def reference():
+    return load_references(ROOT / "solutions")[EXERCISE.stem]
+
+
+def ids(notebook):
+    return [cell.id for cell in notebook.cells]
+
+
+def check_cells(notebook):
+    return [cell for cell in notebook.cells if "checks.check_" in cell.source]
+
+
+# --- which cells run: the learner's, with the setup and check cells from the reference -------------
+
+def test_an_untouched_exercise_runs_as_it_is_with_fresh_checks():
+    restored = restore(exercise(), reference())
+    assert restored.restored == {} and ids(restored.notebook) == ids(exercise())
+    for cell, original in zip(restored.notebook.cells, exercise().cells):
+        fresh = FRESH_CHECKS if "checks.check_" in original.source else ""
+        assert cell.source == fresh + original.source
+    assert restored.origin[3] == "cell 4" and restored.origin[4].startswith("Exercise 1.1")
+
+
+def test_deleted_edited_and_moved_check_cells_are_restored_in_their_place():
+    submission = exercise()
+    first, second = check_cells(submission)
+    second.source = "# " + second.source.replace("\n", "\n# ")  # commented out
+    submission.cells.remove(first)  # deleted
+    setup = submission.cells.pop(1)
+    submission.cells.append(setup)  # moved to the end
+    restored = restore(submission, reference())
+    assert restored.restored == {first.id: "deleted", second.id: "edited", setup.id: "moved"}
+    assert ids(restored.notebook) == ids(exercise())
+    assert restored.notebook.cells[7].source == FRESH_CHECKS + check_cells(exercise())[1].source
+
+
+def test_a_check_cell_turned_into_markdown_is_restored_as_code():
+    submission = exercise()
+    check_cells(submission)[0].cell_type = "markdown"
+    restored = restore(submission, reference())
+    assert list(restored.restored.values()) == ["edited"] and restored.notebook.cells[4].cell_type == "code"
+
+
+def test_the_learners_own_cells_keep_their_order_around_the_checks():
+    """A helper cell between an answer and its check stays before the check: not 'moved'."""
+    submission = exercise()
+    submission.cells.insert(4, nbformat.v4.new_code_cell("helper = 1"))
+    submission.cells.insert(0, nbformat.v4.new_markdown_cell("my notes"))
+    restored = restore(submission, reference())
+    assert restored.restored == {} and ids(restored.notebook) == ids(submission)
+    assert restored.origin[5] == "cell 6"
+
+
+def test_a_check_moved_before_its_exercise_goes_back_after_it():
+    submission = exercise()
+    check = submission.cells.pop(4)
+    submission.cells.insert(2, check)  # above the exercise's heading and answer
+    restored = restore(submission, reference())
+    assert restored.restored == {check.id: "moved"} and ids(restored.notebook) == ids(exercise())
+
+
+def test_a_notebook_saved_without_cell_ids_keeps_its_unchanged_checks_in_place():
+    """Older Jupyter and some hosted notebooks drop cell ids: an unchanged check is still recognised."""
+    submission = exercise()
+    for cell in submission.cells:
+        del cell["id"]
+    submission.cells.remove(check_cells(submission)[0])
+    restored = restore(submission, reference())
+    assert list(restored.restored.values()) == ["deleted"] and len(restored.notebook.cells) == len(exercise().cells)
+    assert restored.origin[-2].startswith("Exercise 1.1") and restored.origin[-1].startswith("Exercise 1.2")
+
+
+def test_a_submission_is_identified_by_metadata_then_file_name_then_cell_ids():
+    references = load_references(ROOT / "solutions")
+    renamed = Path("ada (1).ipynb")
+    assert identify(exercise(), renamed, references) == EXERCISE.stem
+    anonymous = exercise()
+    del anonymous.metadata[METADATA]
+    assert identify(anonymous, EXERCISE, references) == EXERCISE.stem
+    assert identify(anonymous, renamed, references) == EXERCISE.stem  # by its cell ids
+    stranger = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    assert identify(stranger, renamed, references) is None
+
+
+def test_the_reference_made_from_solutions_is_the_committed_exercise():
+    assert reference() == make_exercise(nbformat.read(ROOT / "solutions" / EXERCISE.name, as_version=4),
+                                        f"solutions/{EXERCISE.name}", f"exercises/{EXERCISE.name}")
+    assert load_references(ROOT / "exercises")[EXERCISE.stem] == exercise()
+
+
+def test_a_notebook_past_its_own_limit_stops_there_though_each_cell_is_within_its_limit(tmp_path):
+    cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(2)") for _ in range(4)]
+    run = run_notebook(nbformat.v4.new_notebook(cells=cells), tmp_path, cell_timeout=60, notebook_timeout=5)
+    assert run.stopped.startswith("timed out: the notebook ran past its 5 s limit") and run.stopped_at in (1, 2, 3)
+    assert set(run.errors.values()) == {""} and len(run.errors) == run.stopped_at
+
+
+# --- the issue's table, graded as a class folder ------------------------------------------------------
+
+def variant(folder: Path, edit=None, source: Path = EXERCISE) -> Path:
+    notebook = nbformat.read(source, as_version=4)
+    if edit:
+        edit(notebook)
+    folder.mkdir(parents=True)
+    nbformat.write(notebook, folder / EXERCISE.name)
+    return folder / EXERCISE.name
+
+
+def append_to_answer(code):
+    def edit(notebook):
+        notebook.cells[3].source += "\n" + code
+    return edit
+
+
+def deleted_and_commented(notebook):
+    first, second = check_cells(notebook)
+    notebook.cells.remove(first)
+    second.source = "\n".join("# " + line for line in second.source.splitlines())
+
+
+def patched_and_wrapped(notebook):
+    notebook.cells[3].source += ("\nfrom course_lib import checks\n"
+                                 "checks.check_model_state_bytes = lambda *a: print('Correct!')")
+    second = check_cells(notebook)[1]
+    second.source = "try:\n" + "".join(f"    {line}\n" for line in second.source.splitlines()) + "except Exception:\n    pass"
+
+
+def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_another(tmp_path):
+    """One class run: each submission is FAIL with a one-line reason (the loop under --timeout, the dead
+    kernel at once, a wrong answer with its hint and no traceback, a notebook that is not an exercise or
+    not a notebook at all); A's write to B's file reaches nothing, and C's, by its absolute path, changes
+    neither B's grade nor, in the end, B's file. (The honest solutions pass: test_exercises.py.) The loop
+    sleeps, to spare a shared CPU; --timeout leaves room for the setup cell's imports on a busy machine."""
+    class_dir = tmp_path / "class"
+    solved = (ROOT / "solutions" / EXERCISE.name).read_text()
+    notebooks = {
+        "deleted_and_commented": variant(class_dir / "deleted_and_commented", deleted_and_commented),
+        "patched_and_wrapped": variant(class_dir / "patched_and_wrapped", patched_and_wrapped),
+        "loops": variant(class_dir / "loops", append_to_answer("import time\nwhile True:\n    time.sleep(1)")),
+        "dies": variant(class_dir / "dies", append_to_answer("import os\nos._exit(0)")),
+        "a_cheat": variant(class_dir / "a_cheat", append_to_answer(
+            f"open('../b_victim/{EXERCISE.name}', 'w').write({solved!r})")),
+        "b_victim": variant(class_dir / "b_victim"),
+        "c_cheat": variant(class_dir / "c_cheat", append_to_answer(  # by its absolute path, this time
+            f"open({str(class_dir / 'b_victim' / EXERCISE.name)!r}, 'w').write({solved!r})")),
+        "wrong": variant(class_dir / "wrong", lambda nb: setattr(nb.cells[3], "source", nb.cells[3].source.replace(
+            "raise NotImplementedError()", "return 16 * n_params"))),
+    }
+    (class_dir / "stranger").mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), class_dir / "stranger" / "x.ipynb")
+    (class_dir / "corrupt").mkdir()
+    (class_dir / "corrupt" / EXERCISE.name).write_text("{ not json")
+    before = {path: path.read_bytes() for path in class_dir.rglob("*.ipynb")}
+    result = subprocess.run([COURSE_LIB, "grade", "class", "--csv", "grades.csv", "--timeout", "60", "--jobs", "2"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert {path: path.read_bytes() for path in class_dir.rglob("*.ipynb")} == before
+    with open(tmp_path / "grades.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    by_learner = {}
+    for row in rows:
+        by_learner.setdefault(row["notebook"].split("/")[1], []).append(row)
+    assert set(by_learner) == set(notebooks) | {"stranger", "corrupt"}
+    for learner, learner_rows in by_learner.items():
+        checks = [row for row in learner_rows if row["exercise"].startswith("Exercise 1.")]
+        assert learner in ("stranger", "corrupt") or len(checks) == 2, learner_rows
+        assert all(row["result"] == "FAIL" and row["detail"] and "\n" not in row["detail"] for row in learner_rows)
+    reasons = {learner: {row["detail"].split(":")[0].split(" in ")[0] for row in rows
+                         if row["exercise"].startswith("Exercise")} for learner, rows in by_learner.items()}
+    assert reasons["loops"] == {"timed out"} and reasons["dies"] == {"kernel died"}, by_learner
+    assert all("cell 4 " in row["detail"] for row in by_learner["loops"] + by_learner["dies"])  # the answer cell
+    for learner in ("deleted_and_commented", "patched_and_wrapped", "a_cheat", "b_victim", "c_cheat"):
+        assert reasons[learner] == {"not done yet"}, by_learner[learner]
+    notes = {row["check_cell"] for row in by_learner["deleted_and_commented"] + by_learner["patched_and_wrapped"]}
+    assert notes == {"restored: deleted", "restored: edited", ""}
+    assert "FileNotFoundError" in " ".join(row["detail"] for row in by_learner["a_cheat"])
+    assert by_learner["stranger"][0]["detail"].startswith("not one of the course's exercises")
+    assert by_learner["corrupt"][0]["detail"].startswith("not a readable notebook (")
+    hint = next(row["detail"] for row in by_learner["wrong"] if row["exercise"].startswith("Exercise 1.1"))
+    assert "B/param" in hint and not hint.startswith("CheckFailed")
+    assert "Traceback" not in result.stdout and "course_lib/" not in result.stdout
+    assert f"put back class/b_victim/{EXERCISE.name}: a submission's code changed it" in result.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--timeout", "0"], "'0' is not a number above zero"),
+    (["--jobs", "two"], "'two' is not a number above zero"),
+    (["--csv", "."], ".: a folder; give the gradebook a file name"),
+    (["--reference", "nowhere"], "nowhere: no such folder to take the check cells from"),
+])
+def test_bad_grading_options_are_one_clear_line(tmp_path, args, says):
+    result = subprocess.run([COURSE_LIB, "grade", str(EXERCISE), *args], capture_output=True, text=True, cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == []
