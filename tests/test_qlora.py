@@ -244,4 +244,7 @@ def test_check_fit_in_budget_measures_and_fails_with_hints(config):
         checks.check_fit_in_budget(no_tricks, config, 4 * 2**20, effective_batch=4, seq=32)
     with pytest.raises(AssertionError, match="return a qlora.Recipe"):
         checks.check_fit_in_budget(lambda *a: None, config, 2**30, effective_batch=4, seq=32)
-    checks.check_fit_in_budget(every_trick, config, 2**30, effective_batch=4, seq=32)
+    with pytest.raises(AssertionError, match="fits without"):   # a GiB needs no trick at all
+        checks.check_fit_in_budget(every_trick, config, 2**30, effective_batch=4, seq=32)
+    with pytest.raises(AssertionError, match="does not show"):  # right for the shown budget, not for a hidden one
+        checks.check_fit_in_budget(no_tricks, config, 2**30, effective_batch=4, seq=32)

@@ -120,8 +120,8 @@ class SimulationResult:
                 - self.bytes_out - self.resident_bytes - self.freed_resident_bytes)
 
     def table(self) -> str:
-        """One line per step: time, compute, paging traffic and slowdown."""
-        lines = [f"{'step':>4} {'time ms':>9} {'compute ms':>10} {'in (H2D)':>11} {'out (D2H)':>11} "
+        """One line per step: time, compute, paging traffic and slowdown, all simulated."""
+        lines = [f"simulated on {self.hardware.name}", f"{'step':>4} {'time ms':>9} {'compute ms':>10} {'in (H2D)':>11} {'out (D2H)':>11} "
                  f"{'faults':>7} {'slowdown':>8}"]
         for step in self.steps:
             st = self.step_stats(step)
