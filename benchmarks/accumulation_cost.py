@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/accumulation_cost.py                 # CPU, or the GPU when there is one
     .venv/bin/python benchmarks/accumulation_cost.py --device cpu --plot benchmarks/accumulation_cost.png
 
-Prints one table from one run: FLOPs per optimizer step (equal for every micro-batch size), time per
-step and peak memory, each also as a ratio to the largest micro-batch, the bytes autograd saves for one
+Prints one table from one run: the FLOPs PyTorch's counter sees per optimizer step (matrix products
+only, so equal for every micro-batch size), the memory traffic of the K-1 additions into `.grad` it
+does not see, time per step and peak memory, each also as a ratio to the largest micro-batch, the bytes autograd saves for one
 micro-batch (the part that shrinks) and the fixed part (parameters, gradients, AdamW state). Writes a
 two-panel plot. Lesson 2, "what accumulation costs", shows the same measurement.
 """

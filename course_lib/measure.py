@@ -132,8 +132,25 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
 
+class PlainTextTable:
+    """Mixin: IPython's plain-text view shows `str(self)`, a short table, not the dataclass fields.
+
+    Notebooks saved to text (GitHub, nbval, a terminal) then show the same table as the HTML view
+    (lesson 0); `repr()` stays the full dataclass repr for debugging. IPython takes the first of
+    `_repr_pretty_` and `__repr__` it meets along the class's MRO, and `@dataclass` writes a `__repr__`
+    into every subclass, so each subclass gets its own `_repr_pretty_`.
+    """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._repr_pretty_ = PlainTextTable._show
+
+    def _show(self, printer, cycle: bool) -> None:
+        printer.text(str(self))
+
+
 @dataclass
-class StepMemory:
+class StepMemory(PlainTextTable):
     """Memory of one training step by category, in bytes (lesson 0).
 
     `baseline` is what was live before the step (model, optimizer state, batch); `peak` the most

@@ -43,8 +43,9 @@ ATTENTIONS = ("sdpa", "eager")
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
               "optimizer_temporaries", "overhead", "total")
 
-# bitsandbytes (FACTS.md): 8-bit blockwise state, 256 values per float32 absmax; tensors below 4096
-# elements keep 32-bit state; two 256-entry float32 quantization maps per optimizer.
+# bitsandbytes 0.50.2 (optim/optimizer.py, Optimizer2State; docs/references.md): 8-bit blockwise
+# state, 256 values per float32 absmax; tensors below 4096 elements keep 32-bit state; two 256-entry
+# float32 quantization maps per optimizer.
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 BNB_QMAPS_BYTES = 2 * 256 * 4
@@ -54,7 +55,8 @@ BNB_QMAPS_BYTES = 2 * 256 * 4
 NF4_BLOCK = 64
 NF4_DQ_BLOCK = 256
 # Memory a CUDA process uses outside PyTorch's allocator: the CUDA context and library handles
-# (FACTS.md: about 300 to 700 MB). A mid value; measure yours with course_lib.measure on the GPU.
+# (about 300 to 700 MB: PyTorch issues 28113 and 107667, docs/references.md). A mid value; measure
+# yours with course_lib.measure on the GPU.
 CUDA_CONTEXT_BYTES = 512 * MiB
 DEFAULT_LORA_RANK = 16
 
@@ -80,7 +82,7 @@ class GPU:
 
     @property
     def bf16(self) -> bool:
-        """bf16 hardware: compute capability >= 8.0 (FACTS.md; a T4 only emulates it)."""
+        """bf16 hardware: compute capability >= 8.0 (a T4 only emulates it; docs/references.md)."""
         return self.compute_capability >= (8, 0)
 
 
@@ -653,7 +655,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
 def korthikanti_bytes(batch: int, seq: int, hidden: int, heads: int, layers: int) -> int:
     """Korthikanti et al. 2022: activations of a transformer, sbh(34 + 5as/h) bytes per layer
     (16-bit, with dropout masks, 4h MLP, no recompute). Shown beside the traced value, not trusted:
-    real implementations store more or less (FACTS.md)."""
+    real implementations store more or less (lesson 3)."""
     return int(layers * seq * batch * hidden * (34 + 5 * heads * seq / hidden))
 
 

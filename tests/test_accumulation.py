@@ -4,6 +4,7 @@ The DDP cross-check is in test_accumulation_ddp.py, the Hugging Face Trainer one
 test_accumulation_trainer.py.
 """
 
+import contextlib
 import copy
 import functools
 import math
@@ -18,14 +19,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from course_lib import checks
-from course_lib.accumulation import (MISTAKES, SampleLoss, TinyTokenLM, TokenLoss, collate_padded, compare_accumulation,
-                                     compare_batchnorm_remedies, concat_batches, cost_model, demonstrate_mistakes,
-                                     format_cost_table, measure_accumulation_cost,
+from course_lib.accumulation import (DDP_MISTAKES, MISTAKES, SampleLoss, TinyTokenLM, TokenLoss, collate_padded,
+                                     compare_accumulation, compare_batchnorm_remedies, concat_batches, cost_model,
+                                     demonstrate_mistakes, format_cost_table, measure_accumulation_cost,
                                      freeze_batchnorm_stats, ghost_batchnorm, max_weight_difference,
                                      padded_token_batches, regression_batches, replace_batchnorm, split_batch,
-                                     tiny_mlp, train_whole_windows, train_with_accumulation, windows)
+                                     tiny_mlp, train_whole_windows, train_with_accumulation, train_with_mistake,
+                                     windows)
 
-DDP_ONLY = {"sync_every_micro_batch", "never_sync", "count_per_rank"}
+DDP_ONLY = set(DDP_MISTAKES)
 reference_loop = functools.partial(train_with_accumulation, progress=False)
 
 
@@ -102,6 +104,22 @@ def test_report_renders_as_text_and_html():
     report = compare_accumulation(tiny_mlp("batch"), regression_batches(1, batch_size=8)[0], 2)
     assert "float64" in str(report) and "1 / 2" in str(report)
     assert report._repr_html_().startswith("<table>")
+
+
+def test_results_show_as_short_tables_in_plain_text_views():
+    """What a saved notebook, nbval or a terminal shows: the table, not a wall of dataclass fields."""
+    from IPython.core.formatters import PlainTextFormatter
+
+    batch = regression_batches(1, batch_size=8)[0]
+    model = tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    results = [compare_accumulation(tiny_mlp("batch"), batch, 2),
+               compare_batchnorm_remedies(tiny_mlp("batch"), batch, 2),
+               reference_loop(model, optimizer, regression_batches(3), SampleLoss(), 2)]
+    for result in results:
+        shown = PlainTextFormatter()(result)
+        assert shown == str(result) and len(shown.splitlines()) <= 8 and "=" not in shown.splitlines()[0]
+        assert repr(result).startswith(type(result).__name__ + "(")  # repr() stays the full dataclass repr
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,25 +285,95 @@ HINTS = {
     "zero_grad_to_zero": "tensors of zeros",
     "optimizer_step_per_micro_batch": "stepping after every micro-batch is training with small batches",
     "never_zero_grad": "the gradients were not reset",
+    "sync_every_micro_batch": "no micro-batch ran inside model.no_sync()",
+    "never_sync": "the last one too",
 }
 
 
-def test_every_single_process_mistake_has_a_hint():
-    assert set(HINTS) == set(MISTAKES) - DDP_ONLY
+def test_every_mistake_but_the_per_rank_count_has_a_hint():
+    assert set(HINTS) == set(MISTAKES) - {"count_per_rank"}  # that one needs two processes: see the DDP tests
 
 
 @pytest.mark.parametrize("mistake", sorted(HINTS))
 def test_the_check_catches_each_mistake(mistake):
     with pytest.raises(AssertionError, match=re.escape(HINTS[mistake])):
-        checks.check_training_loop(functools.partial(reference_loop, mistakes=(mistake,)))
+        checks.check_training_loop(functools.partial(train_with_mistake, mistake, progress=False))
 
 
 def test_each_numeric_mistake_moves_the_weights_and_the_reference_does_not():
     results = dict(demonstrate_mistakes())
     assert results.pop("none") < 1e-5
     assert results.pop("zero_grad_to_zero") < 1e-5  # same numbers: its cost is memory, caught by the probe
-    assert set(results) == set(HINTS) - {"zero_grad_to_zero"}
+    assert set(results) == set(HINTS) - {"zero_grad_to_zero"} - DDP_ONLY
     assert all(diff > 1e-2 for diff in results.values()), results
+
+
+# Exercise 2.2 is "fix this loop": five mistakes are planted in one loop. This builds the loop with any
+# subset of them, to prove that the check names a mistake that is present, whichever remain.
+PLANTED_HINTS = {
+    "token_normalisation": ("normalise it by its own item count", "token count of the whole window"),
+    "short_last_window": ("needs its step too",),
+    "scheduler": ("the scheduler stepped",),
+    "unscale_before_clip": ("scaler.unscale_(optimizer)",),
+    "no_sync": ("the last one too",),
+}
+
+
+def planted_loop(planted):
+    def train(model, optimizer, batches, loss, accumulation_steps, scheduler=None, max_grad_norm=None, scaler=None):
+        k = accumulation_steps
+        if k <= 0:
+            raise ValueError("accumulation_steps must be >= 1")
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(batches), k):
+            window = batches[start:start + k]
+            items = sum(loss.count(mb) for mb in window)
+            for i, mb in enumerate(window):
+                quiet = hasattr(model, "no_sync") and ("no_sync" in planted or i < len(window) - 1)
+                with model.no_sync() if quiet else contextlib.nullcontext():
+                    divisor = loss.count(mb) * k if "token_normalisation" in planted else items
+                    part = loss.sum(model, mb) / divisor
+                    (scaler.scale(part) if scaler is not None else part).backward()
+                if "scheduler" in planted and scheduler is not None:
+                    scheduler.step()
+            if "short_last_window" in planted and len(window) < k:
+                continue
+            if scaler is not None and "unscale_before_clip" not in planted:
+                scaler.unscale_(optimizer)
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            if scheduler is not None and "scheduler" not in planted:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    return train
+
+
+def named_mistake(hint):
+    return [m for m, phrases in PLANTED_HINTS.items() if any(p in hint for p in phrases)]
+
+
+@pytest.mark.parametrize("mistake", sorted(PLANTED_HINTS))
+def test_each_planted_mistake_alone_is_named(mistake):
+    hint = checks.training_loop_problem(planted_loop({mistake}))
+    assert hint is not None and named_mistake(hint) == [mistake], hint
+
+
+def test_fixing_the_named_mistake_each_time_ends_with_a_right_loop(capsys):
+    remaining = set(PLANTED_HINTS)
+    while remaining:
+        hint = checks.training_loop_problem(planted_loop(remaining))
+        named = named_mistake(hint or "")
+        assert len(named) == 1 and named[0] in remaining, (remaining, hint)
+        remaining -= set(named)
+    assert checks.training_loop_problem(planted_loop(set())) is None
+    checks.check_training_loop(planted_loop(set()))
+    assert "Correct" in capsys.readouterr().out
 
 
 def test_loop_result_counts_windows_steps_items_and_lrs():
@@ -310,7 +398,7 @@ def test_loop_rejects_bad_arguments():
         with pytest.raises(ValueError, match=">= 1"):
             reference_loop(model, optimizer, batches, SampleLoss(), k)
     with pytest.raises(ValueError, match="unknown mistakes"):
-        reference_loop(model, optimizer, batches, SampleLoss(), 2, mistakes=("typo",))
+        train_with_mistake("typo", model, optimizer, batches, SampleLoss(), 2)
     with pytest.raises(ValueError, match="max_grad_norm"):
         reference_loop(model, optimizer, batches, SampleLoss(), 2, max_grad_norm=0.0)
     with pytest.raises(ValueError, match="empty_window"):
@@ -562,8 +650,22 @@ def test_cost_rows_same_flops_same_fixed_memory_peak_falls_with_the_micro_batch(
     assert all(a.peak_bytes > b.peak_bytes for a, b in zip(rows, rows[1:]))
     assert all(a.saved_per_micro_batch > b.saved_per_micro_batch for a, b in zip(rows, rows[1:]))
     assert all(r.ms_per_step > 0 for r in rows)
+    assert rows[0].grad_add_bytes == 0 and rows[-1].grad_add_bytes == 3 * 7 * rows[-1].gradients
     table = format_cost_table(rows)
-    assert "GFLOP/step" in table and len(table.splitlines()) == 4
+    assert "GFLOP/step" in table and ".grad adds" in table and len(table.splitlines()) == 4
+
+
+def test_the_flop_counter_sees_matrix_products_only():
+    """Why the FLOPs column is equal by construction: the additions into .grad count zero."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a = torch.randn(64, 64)
+    with FlopCounterMode(display=False) as elementwise:
+        a.add_(a)
+        torch.tanh(a + a)
+    with FlopCounterMode(display=False) as matmul:
+        a @ a
+    assert elementwise.get_total_flops() == 0 and matmul.get_total_flops() == 2 * 64 ** 3
     with pytest.raises(ValueError, match="does not divide"):
         measure_accumulation_cost(effective_batch=8, micro_batches=(3,), width=8, depth=1, seq_len=2)
 

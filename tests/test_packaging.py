@@ -19,7 +19,7 @@ REQUIREMENTS = [Requirement(r) for r in PROJECT["dependencies"]] + [
     Requirement(r) for extra in PROJECT["optional-dependencies"].values() for r in extra]
 CONDA_NAMES = {"torch": "pytorch"}  # conda-forge's name where it differs from PyPI's
 
-# Google Colab's preinstalled stack (FACTS.md) and this machine's pinned torch.
+# Google Colab's preinstalled stack (docs/references.md, "Google Colab GPU runtime") and this machine's pinned torch.
 COLAB = {"torch": "2.11.0", "transformers": "5.15.0", "accelerate": "1.14.0", "peft": "0.20.0"}
 
 

@@ -2,12 +2,13 @@
 
 Each check builds small models and data, runs the learner's function and an independent ground truth
 (the whole window as one batch), and raises AssertionError with a hint naming the classic mistake it
-recognised. `tests/test_accumulation.py` proves that each mistake of `course_lib.accumulation.MISTAKES`
-is caught, by running these checks on the reference loop with that mistake switched on.
+recognised. `tests/test_accumulation.py` proves that each mistake is caught, by running these checks
+on the broken loops of `course_lib.accumulation.broken` and on the exercise's planted loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from course_lib.accumulation import (DDPReport, SampleLoss, TinyTokenLM, TokenLo
                                      max_weight_difference, padded_token_batches, regression_batches, tiny_mlp,
                                      train_whole_windows)
 
-__all__ = ["check_accumulate_gradients", "check_training_loop", "check_ddp_accumulation"]
+__all__ = ["check_accumulate_gradients", "check_training_loop", "training_loop_problem", "check_ddp_accumulation"]
 
 WEIGHT_TOLERANCE = 1e-5  # max relative weight difference allowed against the whole-window ground truth
 GRAD_TOLERANCE = 1e-5    # max relative gradient difference in fp32
@@ -174,16 +175,61 @@ _SCENARIOS = [
 ]
 
 
-def check_training_loop(train: Callable) -> None:
-    """Exercise 2.2: the accumulation loop gets every detail right.
+class _DataParallelStandIn(torch.nn.Module):
+    """Looks like DistributedDataParallel to a loop (it has `no_sync()`); records which forwards ran in it.
 
-    `train(model=, optimizer=, batches=, loss=, accumulation_steps=, scheduler=, max_grad_norm=, scaler=)`
-    is run on five scenarios against training on each window as one batch (`train_whole_windows`):
-    full windows, a short final window, padded tokens, clipping, and GradScaler with clipping. Also
-    checked: one optimizer and one scheduler step per window (the short one too), gradients reset to
-    None (`zero_grad(set_to_none=True)`) before each window's first forward and not within a window,
-    accumulation_steps <= 0 and an all-padding window raising ValueError.
+    DDP decides at forward time whether the coming backward all-reduces (the forward inside
+    `no_sync()` does not), so the record says which micro-batches would have synchronised.
     """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.quiet_forwards: list[bool] = []
+        self._quiet = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self._quiet = False
+
+    def forward(self, *args, **kwargs):
+        self.quiet_forwards.append(self._quiet)
+        return self.module(*args, **kwargs)
+
+
+def _check_no_sync(train: Callable) -> None:
+    batches = padded_token_batches(6, batch_size=2, seed=17)  # K=4: a window of 4, then one of 2
+    model, optimizer, scheduler = _setup(lambda: _DataParallelStandIn(TinyTokenLM()))
+    train(model=model, optimizer=optimizer, batches=batches, loss=TokenLoss(), accumulation_steps=4,
+          scheduler=scheduler, max_grad_norm=None, scaler=None)
+    expected = [True, True, True, False, True, False]
+    got = model.quiet_forwards
+    if got == expected:
+        truth, t_opt, t_sched = _setup(TinyTokenLM)
+        train_whole_windows(truth, t_opt, batches, TokenLoss(), 4, scheduler=t_sched)
+        diff = max_weight_difference(model.module, truth)
+        if not diff <= WEIGHT_TOLERANCE:
+            raise AssertionError(f"with a data-parallel model the weights end {diff:.2e} away from whole-window "
+                                 "training: use no_sync() only as a context around forward and backward")
+        return
+    if got and all(got):
+        what = ("every micro-batch ran inside model.no_sync(), the last one too: no gradient is ever all-reduced, "
+                "so the data-parallel processes drift apart")
+    elif not any(got):
+        what = ("no micro-batch ran inside model.no_sync(): every backward all-reduces the gradients, K-1 of them "
+                "per window for nothing")
+    else:
+        what = f"the micro-batches that ran inside model.no_sync() were {got}, expected {expected}"
+    raise AssertionError(f"data parallelism (a model with no_sync(), 6 micro-batches, K=4): {what}. Run forward "
+                         "and backward of all but the last micro-batch of each window inside model.no_sync(), "
+                         "and the last one outside it, when the model has no_sync().")
+
+
+def _check_training_loop(train: Callable) -> None:
     model, optimizer, scheduler = _setup(lambda: tiny_mlp("layer"))
     for bad in (0, -1):
         try:
@@ -235,19 +281,33 @@ def check_training_loop(train: Callable) -> None:
         diff = max_weight_difference(model, truth)
         if not diff <= WEIGHT_TOLERANCE:
             raise AssertionError(f"{name}: {hint} (max relative weight difference {diff:.2e}).")
-    empty = padded_token_batches(4, batch_size=2, seed=16)
-    for mb in empty[:2]:
-        mb["labels"][:] = -100
-    model, optimizer, scheduler = _setup(TinyTokenLM)
+    _check_no_sync(train)
+
+
+def training_loop_problem(train: Callable) -> str | None:
+    """The first thing `check_training_loop` finds wrong with `train`, as its hint; None when all is right."""
     try:
-        train(model=model, optimizer=optimizer, batches=empty, loss=TokenLoss(), accumulation_steps=2,
-              scheduler=scheduler, max_grad_norm=None, scaler=None)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("a window in which every label is ignore_index has no valid token (its mean is 0/0): "
-                             "raise ValueError with a clear message instead of stepping on NaN or zero")
-    print("Correct: your loop matches whole-window training in every scenario, with one step per window.")
+        _check_training_loop(train)
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+def check_training_loop(train: Callable) -> None:
+    """Exercise 2.2: the accumulation loop gets every detail right.
+
+    `train(model=, optimizer=, batches=, loss=, accumulation_steps=, scheduler=, max_grad_norm=, scaler=)`
+    is run on five scenarios against training on each window as one batch (`train_whole_windows`):
+    full windows, a short final window, padded tokens, clipping, and GradScaler with clipping. Also
+    checked: one optimizer and one scheduler step per window (the short one too), gradients reset to
+    None (`zero_grad(set_to_none=True)`) before each window's first forward and not within a window,
+    accumulation_steps <= 0 raising ValueError, and with a model that has `no_sync()` (a stand-in for
+    DistributedDataParallel) all but the last micro-batch of each window inside it. The first problem
+    found is raised as an AssertionError naming the mistake.
+    """
+    _check_training_loop(train)
+    print("Correct: your loop matches whole-window training in every scenario, with one step per window, "
+          "and synchronises once per window.")
 
 
 def check_ddp_accumulation(report: DDPReport, tolerance: float = WEIGHT_TOLERANCE) -> None:

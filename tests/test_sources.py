@@ -1,0 +1,170 @@
+"""What a learner reads is sourced and clean.
+
+- No notebook (lessons, solutions, exercises) and no `course_lib` file names the internal fact sheet
+  FACTS.md: citations point to docs/references.md, whose headings are the sources.
+- Every `references.md#anchor` link in the notebooks, `course_lib` and docs/ names a heading of
+  docs/references.md (GitHub's anchor rules).
+- Every row of docs/myths.md has a verdict, a labelled number and the notebook section that prints it.
+- Committed notebooks carry no stderr stream, no path of the machine that ran them and no unfinished
+  progress bar in their outputs.
+"""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCES = ROOT / "docs" / "references.md"
+NOTEBOOKS = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions", "exercises")
+                   for p in (ROOT / folder).glob("*.ipynb"))
+PACKAGE = sorted(p.relative_to(ROOT) for p in (ROOT / "course_lib").rglob("*")
+                 if p.is_file() and p.suffix in (".py", ".json", ".md", ".txt"))
+DOCS = sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))
+
+# Known failures on this branch, fixed on the issue-11 (lesson 3) and issue-12 (lessons 4 and 5)
+# branches. The lead deletes this list after merging them.
+FIXED_ELSEWHERE = {
+    "cites FACTS.md": {"notebooks/03_gradient_checkpointing.ipynb"},
+    "unclean outputs": {"notebooks/03_gradient_checkpointing.ipynb"},
+}
+
+
+def known(paths, failure):
+    """Parametrize over paths; those listed in FIXED_ELSEWHERE[failure] are expected to fail for now."""
+    return [pytest.param(p, marks=pytest.mark.xfail(strict=False, reason="fixed on the issue-11/12 branches"))
+            if p.as_posix() in FIXED_ELSEWHERE[failure] else p for p in paths]
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def reference_anchors() -> set[str]:
+    headings = re.findall(r"^#{1,6} (.+)$", REFERENCES.read_text(), flags=re.MULTILINE)
+    return {github_anchor(h) for h in headings}
+
+
+def test_github_anchor_follows_githubs_rules():
+    assert github_anchor("Korthikanti et al. 2022, Reducing Activation Recomputation") == \
+        "korthikanti-et-al-2022-reducing-activation-recomputation"
+    assert github_anchor("torch 2.13.0 torch/optim/adamw.py, `zero_grad`") == "torch-2130-torchoptimadamwpy-zero_grad"
+
+
+def test_references_exist_with_one_source_per_heading():
+    text = REFERENCES.read_text()
+    sources = re.findall(r"^### (.+)$", text, flags=re.MULTILINE)
+    assert len(sources) >= 20
+    anchors = [github_anchor(s) for s in sources]
+    assert len(anchors) == len(set(anchors)), "two sources share an anchor"
+    for block in re.split(r"^### .+$", text, flags=re.MULTILINE)[1:]:
+        assert len(block.split()) >= 15, "each source says what it is and which facts the course takes from it"
+
+
+@pytest.mark.parametrize("path", known(NOTEBOOKS + PACKAGE, "cites FACTS.md"), ids=str)
+def test_no_learner_facing_file_names_the_internal_fact_sheet(path):
+    text = (ROOT / path).read_text()
+    lines = [line.strip()[:120] for line in text.splitlines() if "FACTS.md" in line]
+    assert not lines, f"{path} cites FACTS.md (internal): cite the source in docs/references.md instead: {lines}"
+
+
+def _link_targets(path: Path) -> list[str]:
+    return re.findall(r"references\.md#([\w\-]+)", (ROOT / path).read_text())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + PACKAGE + DOCS, ids=str)
+def test_every_reference_link_names_a_heading(path):
+    anchors = reference_anchors()
+    missing = sorted({a for a in _link_targets(path) if a not in anchors})
+    assert not missing, f"{path} links to docs/references.md anchors that no heading has: {missing}"
+
+
+def test_links_inside_references_resolve():
+    anchors = reference_anchors()
+    inner = re.findall(r"\]\(#([\w\-]+)\)", REFERENCES.read_text())
+    assert inner and not sorted(set(inner) - anchors)
+
+
+MYTHS = ROOT / "docs" / "myths.md"
+
+
+def myths_rows() -> list[str]:
+    return [line for line in MYTHS.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| claim") and not line.startswith("|---")]
+
+
+def notebook_headings(path: Path) -> set[str]:
+    cells = nbformat.read(path, as_version=4).cells
+    return {line.lstrip("#").strip() for cell in cells if cell.cell_type == "markdown"
+            for line in cell.source.splitlines() if line.startswith("#")}
+
+
+def test_every_myth_has_a_verdict_a_number_and_the_cell_that_prints_it():
+    rows = myths_rows()
+    assert len(rows) >= 15
+    for row in rows:
+        claim, verdict, number, where = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert claim and len(verdict.split()) >= 5, row
+        assert re.search(r"\d", number) or "your GPU" in number, f"no number: {row}"
+        assert re.match(r"(measured|predicted|simulated)", number), f"label the number (measured/predicted): {row}"
+        links = re.findall(r"\]\(\.\./(notebooks/[\w.]+\.ipynb)\)", where)
+        sections = re.findall(r'"(\d+\. [^"]+)"', where)
+        assert links and sections, f"name the notebook and the section heading: {row}"
+        for link in links:
+            headings = notebook_headings(ROOT / link)
+            missing = [s for s in sections if s not in headings]
+            assert not missing, f"{link} has no section {missing}"
+
+
+MACHINE_PATH = re.compile(r"(/work/|/root/|/tmp/|/home/\w+/|/Users/\w+/|[A-Z]:\\Users\\)")
+PROGRESS = re.compile(r"(\d+)/(\d+) \[")
+
+
+def _output_texts(output) -> list[str]:
+    texts = []
+    if "text" in output:
+        texts.append(output["text"])
+    for mime, value in output.get("data", {}).items():
+        if mime.startswith("text/"):
+            texts.append(value if isinstance(value, str) else "".join(value))
+    if output.get("output_type") == "error":
+        texts.append("\n".join(output.get("traceback", [])))
+    return texts
+
+
+def committed_output_problems(path: Path) -> list[str]:
+    """stderr streams, machine paths and unfinished progress bars in a notebook's saved outputs."""
+    problems = []
+    for number, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream" and output.get("name") == "stderr":
+                problems.append(f"cell {number}: a stderr stream ({output['text'].strip()[:80]!r})")
+            for text in _output_texts(output):
+                match = MACHINE_PATH.search(text)
+                if match:
+                    problems.append(f"cell {number}: a machine path {text[match.start():match.start() + 60]!r}")
+                for done, total in PROGRESS.findall(text):
+                    if done != total:
+                        problems.append(f"cell {number}: a progress bar stuck at {done}/{total}")
+    return problems
+
+
+@pytest.mark.parametrize("path", known(NOTEBOOKS, "unclean outputs"), ids=str)
+def test_committed_outputs_are_clean(path):
+    problems = committed_output_problems(ROOT / path)
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+def test_the_output_check_catches_what_it_looks_for(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("x")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text="warning"),
+                    nbformat.v4.new_output("stream", name="stdout", text="see /root/x.py"),
+                    nbformat.v4.new_output("display_data", data={"text/plain": "steps:   0%|    | 0/3 [00:00<?]"})]
+    nb.cells = [cell]
+    nbformat.write(nb, tmp_path / "bad.ipynb")
+    problems = committed_output_problems(tmp_path / "bad.ipynb")
+    assert len(problems) == 3, problems
