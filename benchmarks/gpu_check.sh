@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export COURSE_LIB_CHECKPOINTS=${COURSE_LIB_CHECKPOINTS:-/tmp/course_lib_checkpoints}  # the 1B checkpoint, saved once
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
         export PYTHONPATH=/tmp/site:$PYTHONPATH

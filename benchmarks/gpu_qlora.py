@@ -93,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     config = qlora.llama_1b_config()
     if "ablation" in parts:
         t = time.perf_counter()
+        def partial(rows) -> None:  # a part cut short by its time budget still brings back its rows
+            results["ablation"] = [{**asdict(r), "recipe": r.recipe.describe(), "error": r.error} for r in rows]
+            save()
+
         rows = qlora.ablation(config, qlora.Recipe(seq=args.seq, batch=1, accum=args.accum), "cuda",
-                              as_t4=args.as_t4)
+                              as_t4=args.as_t4, progress=partial)
         print(f"ablation{' as a T4' if args.as_t4 else ''}, one process per row ({time.perf_counter() - t:.0f} s; "
               "measured peaks, planner predictions, error = (predicted - measured) / measured):")
         print(qlora.format_ablation(rows))

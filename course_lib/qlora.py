@@ -139,12 +139,24 @@ _SAVED: dict[str, Path] = {}
 
 
 def _checkpoint_dir(config) -> Path:
-    """Random weights for `config`, saved once per config in a temporary folder (seed 0)."""
+    """Random weights for `config`, saved once per config in a temporary folder (seed 0). With
+    COURSE_LIB_CHECKPOINTS set, in a folder there named after the config, shared by every process
+    (benchmarks/gpu_check.sh: the 1B checkpoint is written once for all its parts)."""
+    import hashlib
+    import os
+
     from transformers import AutoModelForCausalLM
 
     key = config.to_json_string()
+    shared = os.environ.get("COURSE_LIB_CHECKPOINTS")
+    if shared and key not in _SAVED:
+        folder = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16]
+        if (folder / "config.json").exists():
+            _SAVED[key] = folder
     if key not in _SAVED or not (_SAVED[key] / "config.json").exists():
-        folder = Path(tempfile.mkdtemp(prefix="course_lib_qlora_"))
+        folder = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16] if shared else \
+            Path(tempfile.mkdtemp(prefix="course_lib_qlora_"))
+        folder.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with _quiet():
@@ -455,13 +467,14 @@ def _catalog_gpu(device: torch.device):
 
 def ablation(config, recipe: Recipe | None = None, device: str | torch.device = "cpu", *,
              timed_steps: int = 1, policy: DtypePolicy | None = None, gpu: GPU | None = None,
-             isolate: bool | None = None, as_t4: bool = False) -> list[Row]:
+             isolate: bool | None = None, as_t4: bool = False, progress=None) -> list[Row]:
     """Each trick switched off in turn, then all off, measured and predicted (lesson 5, "what each
     trick buys"). `policy` and `gpu` as in `measure_recipe`.
 
     `isolate` (the default on CUDA) measures each row in its own process from one checkpoint saved
     once: paged optimizer state is never freed, so rows in one process would see each other's. There
-    `as_t4` runs each row under `emulate_t4` (policy and gpu are then the child's, not arguments)."""
+    `as_t4` runs each row under `emulate_t4` (policy and gpu are then the child's, not arguments).
+    `progress(rows)` is called with the rows so far after each isolated row (to save them)."""
     recipe = (recipe or Recipe()).validate()
     device = torch.device(device)
     cases = [("all tricks on", recipe)]
@@ -479,7 +492,7 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
             raise ValueError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
         from course_lib.qlora_gpu import isolated_rows
 
-        return isolated_rows(config, cases, device, timed_steps=timed_steps, as_t4=as_t4)
+        return isolated_rows(config, cases, device, timed_steps=timed_steps, as_t4=as_t4, progress=progress)
     return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
             for label, r in cases]
 

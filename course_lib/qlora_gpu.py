@@ -57,7 +57,7 @@ def measure_row(config_dir: str, recipe: dict, device: str = "cuda", timed_steps
 
 
 def isolated_rows(config, cases: list[tuple[str, Recipe]], device: str | torch.device = "cuda", *,
-                  timed_steps: int = 1, as_t4: bool = False) -> list[Row]:
+                  timed_steps: int = 1, as_t4: bool = False, progress=None) -> list[Row]:
     """`measure_recipe` of each (label, recipe) in a fresh process, from one saved checkpoint (lesson 5).
     A child that dies gives a row whose status says so, with the planner's prediction beside it."""
     folder = str(_checkpoint_dir(config))
@@ -68,11 +68,13 @@ def isolated_rows(config, cases: list[tuple[str, Recipe]], device: str | torch.d
         if out.get("status") == "ok":
             fields = out["row"]
             rows.append(Row(**{**fields, "recipe": Recipe(**fields["recipe"])}))
-            continue
-        policy = policy_for_capability((7, 5)) if as_t4 else dtype_policy(torch.device(device))
-        predicted = predict(config, recipe, policy)
-        rows.append(Row(label, recipe, None, predicted.total - predicted.bytes["overhead"], None,
-                        predicted.trainable_params, f"crashed: {out.get('error', '')}"[:120]))
+        else:
+            policy = policy_for_capability((7, 5)) if as_t4 else dtype_policy(torch.device(device))
+            predicted = predict(config, recipe, policy)
+            rows.append(Row(label, recipe, None, predicted.total - predicted.bytes["overhead"], None,
+                            predicted.trainable_params, f"crashed: {out.get('error', '')}"[:120]))
+        if progress is not None:
+            progress(list(rows))
     return rows
 
 

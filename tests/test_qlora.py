@@ -248,3 +248,15 @@ def test_check_fit_in_budget_measures_and_fails_with_hints(config):
         checks.check_fit_in_budget(every_trick, config, 2**30, effective_batch=4, seq=32)
     with pytest.raises(AssertionError, match="does not show"):  # right for the shown budget, not for a hidden one
         checks.check_fit_in_budget(no_tricks, config, 2**30, effective_batch=4, seq=32)
+
+
+def test_the_random_checkpoint_is_saved_once_for_every_process(config, tmp_path, monkeypatch):
+    """With COURSE_LIB_CHECKPOINTS set (gpu_check.sh sets it), a second process finds the checkpoint the
+    first one saved instead of writing it again."""
+    monkeypatch.setenv("COURSE_LIB_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(qlora, "_SAVED", {})
+    first = qlora._checkpoint_dir(config)
+    stamp = (first / "config.json").stat().st_mtime_ns
+    monkeypatch.setattr(qlora, "_SAVED", {})          # as in a fresh process
+    again = qlora._checkpoint_dir(config)
+    assert again == first and first.parent == tmp_path and (again / "config.json").stat().st_mtime_ns == stamp
