@@ -1,22 +1,23 @@
-"""QLoRA with every trick on, 1B-class, on CUDA: the ablation table, predicted and measured (lesson 5).
+"""Lesson 5 on CUDA: the QLoRA ablation (1B-class), measured beside the planner, one process per row.
 
-Llama 3.2 1B's architecture (bundled config, random weights) fine-tuned with a 4-bit NF4 base
-(double quantization), LoRA r=16 on every linear layer, checkpointing, micro-batch 1 x 16
-accumulation steps and paged_adamw_8bit, under course_lib.device's precision policy (fp16 autocast +
-GradScaler on a T4, bf16 from compute capability 8.0). Each trick is switched off in turn, then all
-(a full fine-tune), and the measured peak (`torch.cuda.max_memory_allocated`, plus the paged
-optimizer state) and step time are printed beside `course-lib plan`'s prediction (without the CUDA
-context); rows the planner predicts not to fit are not run, and a row that runs out of memory says
-so. Then a short Trainer run (loss must fall, gradients must flow), then the effect of
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on reserved memory (a fresh process each, since it
-must be set before the first CUDA call).
+    python benchmarks/gpu_qlora.py [--part smoke|ablation|precision|trainer|expandable|all] [--as-t4]
+                                   [--seq 512] [--accum 4] [--json PATH]
 
-    python benchmarks/gpu_qlora.py              # the device's own precision and memory
-    python benchmarks/gpu_qlora.py --as-t4      # Colab's T4 on a larger GPU: fp16 + GradScaler, 15 GiB cap
-    python benchmarks/gpu_qlora.py --seq 256    # another sequence length
-
-The numbers also go to --json (default $OUT/gpu_qlora.json, or gpu_qlora_t4.json with --as-t4, when
-the device tool's $OUT is set). benchmarks/gpu_check.sh runs it. On a CPU it prints one line.
+Parts:
+- smoke: the imports, one paged tensor filled and prefetched, one step of a tiny QLoRA model: what
+  must work before anything else is worth running;
+- ablation: Llama 3.2 1B's architecture (bundled config, random weights saved once) with a 4-bit NF4
+  base, LoRA r=16 on every linear layer, checkpointing, accumulation and paged_adamw_8bit; each trick
+  off in turn, then all; each row in its own process; measured peak beside `course-lib plan`'s
+  prediction (without the CUDA context) and the error, reported (rows the planner predicts not to fit
+  are not run; a row that runs out of memory or crashes says so);
+- precision: the reason a T4 trains in fp16: measured matmul TFLOP/s in fp32, fp16 and bf16;
+- trainer: a short Hugging Face Trainer run (the loss must fall, every LoRA parameter a gradient);
+- expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and :True, a fresh process each,
+  peak allocated and reserved of the training step alone.
+`--as-t4` runs the T4's recipe on a larger GPU: fp16 autocast + GradScaler, the allocator capped at
+15 GiB. The numbers go to --json after every part (default $OUT/gpu_qlora[_t4].json when $OUT is set).
+benchmarks/gpu_check.sh runs each part with a time budget. On a CPU it prints one line.
 """
 
 from __future__ import annotations
@@ -25,73 +26,113 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PARTS = ("smoke", "ablation", "precision", "trainer", "expandable")
+
+
+def smoke() -> dict:
+    """Thirty seconds that say whether the rest can work: imports, a paged tensor, a tiny QLoRA step."""
+    import torch
+    import bitsandbytes as bnb
+    import peft
+    import transformers
+
+    from course_lib import qlora
+    from course_lib.paging import probe
+
+    out = {"versions": {m.__name__: m.__version__ for m in (torch, transformers, peft, bnb)},
+           "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
+           "capability": list(torch.cuda.get_device_capability())}
+    paged = probe.managed_buffer(8 * 2**20)
+    out["paged_fill_s"] = probe.gpu_touch(paged)
+    out["paged_prefetch_s"] = probe.gpu_prefetch(paged)
+    out["paged_bytes_read_back"] = int(paged[:4096].sum())   # 4096: fill wrote ones, the host reads them
+    t = time.perf_counter()
+    row = qlora.measure_recipe(qlora.tiny_llama_config(), qlora.Recipe(seq=32, accum=1), "cuda")
+    out["tiny_qlora"] = {"status": row.status, "measured_peak": row.measured_peak, "predicted_peak": row.predicted_peak,
+                         "error": row.error, "seconds": time.perf_counter() - t}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=(*PARTS, "all"), default="all")
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--accum", type=int, default=16)
+    parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--as-t4", action="store_true",
                         help="the T4 recipe (fp16 autocast + GradScaler) under a 15 GiB memory cap")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
     if args.json is None and os.environ.get("OUT"):
         args.json = Path(os.environ["OUT"]) / ("gpu_qlora_t4.json" if args.as_t4 else "gpu_qlora.json")
+
+    import torch
+
     if not torch.cuda.is_available():
         print("gpu_qlora.py needs a CUDA GPU (the 1B-class configuration); on a CPU run the lesson 5 notebook")
         return 0
-    import bitsandbytes
-    import peft
-    import transformers
+    from course_lib import qlora, qlora_gpu
 
-    from course_lib import qlora
-    from course_lib.checkpointing import assert_gradients_flow
-    from course_lib.device import dtype_policy
-    from course_lib.measure import format_bytes
-
-    device = torch.device("cuda")
-    policy, gpu = qlora.emulate_t4(device) if args.as_t4 else (dtype_policy(device), None)
-    results = {"device": torch.cuda.get_device_name(), "as_t4": args.as_t4, "policy": policy.reason,
-               "versions": {m.__name__: m.__version__ for m in (torch, transformers, peft, bitsandbytes)},
-               "seq": args.seq, "accum": args.accum}
+    parts = PARTS if args.part == "all" else (args.part,)
+    results: dict = {"as_t4": args.as_t4, "seq": args.seq, "accum": args.accum}
 
     def save() -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=1, default=str))
 
-    print(f"{results['device']}{' as a T4' if args.as_t4 else ''}: {policy.reason}; {results['versions']}")
+    if "smoke" in parts:
+        results["smoke"] = smoke()
+        print(json.dumps(results["smoke"], indent=1, default=str))
+        save()
     config = qlora.llama_1b_config()
-    recipe = qlora.Recipe(seq=args.seq, batch=1, accum=args.accum)
-    rows = qlora.ablation(config, recipe, device, timed_steps=2, policy=policy, gpu=gpu)
-    print(qlora.format_ablation(rows))
-    results["ablation"] = [{**asdict(r), "recipe": r.recipe.describe(), "error": r.error} for r in rows]
-    save()
+    if "ablation" in parts:
+        t = time.perf_counter()
+        def partial(rows) -> None:  # a part cut short by its time budget still brings back its rows
+            results["ablation"] = [{**asdict(r), "recipe": r.recipe.describe(), "error": r.error} for r in rows]
+            save()
 
-    data = qlora.counting_dataset(64, 128, config.vocab_size)
-    result = qlora.train(config, qlora.Recipe(seq=128, accum=4), data, max_steps=15, learning_rate=2e-3,
-                         device=device, policy=policy)
-    print(f"Trainer, 15 steps: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {result.seconds:.1f} s")
-    ids = torch.randint(0, config.vocab_size, (1, 64), device=device)
-    assert_gradients_flow(result.model, {"input_ids": ids, "labels": ids})
-    print("assert_gradients_flow: every LoRA parameter gets a gradient")
-    results["trainer"] = {"losses": result.losses, "seconds": result.seconds, "gradients_flow": True}
-    del result
-    save()
+        rows = qlora.ablation(config, qlora.Recipe(seq=args.seq, batch=1, accum=args.accum), "cuda",
+                              as_t4=args.as_t4, progress=partial)
+        print(f"ablation{' as a T4' if args.as_t4 else ''}, one process per row ({time.perf_counter() - t:.0f} s; "
+              "measured peaks, planner predictions, error = (predicted - measured) / measured):")
+        print(qlora.format_ablation(rows))
+        results["ablation"] = [{**asdict(r), "recipe": r.recipe.describe(), "error": r.error} for r in rows]
+        save()
+    if "precision" in parts:
+        rates = qlora_gpu.matmul_rates()
+        results["matmul_tflops"] = rates
+        print("matmul TFLOP/s (measured): " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
+        save()
+    if "trainer" in parts:
+        from course_lib import isolate
 
-    print("expandable_segments (fresh process each, all tricks on, accum 4):")
-    effect = qlora.expandable_segments_effect("1b", args.seq, 4, as_t4=args.as_t4)
-    for value, peaks in effect.items():
-        print(f"  expandable_segments:{value:<5}  allocated {format_bytes(peaks['allocated']):>11}  "
-              f"reserved {format_bytes(peaks['reserved']):>11}")
-    results["expandable_segments"] = effect
-    save()
+        folder = str(qlora._checkpoint_dir(config))
+        run = isolate.run("course_lib.qlora_gpu:train_row", config_dir=folder, seq=128, accum=4, max_steps=15,
+                          as_t4=args.as_t4)
+        results["trainer"] = run
+        if run.get("status") == "ok":
+            print(f"Trainer, 15 steps (measured): loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f} in "
+                  f"{run['seconds']:.1f} s; {run['gradients_flow']}")
+        else:
+            print(f"Trainer run: {run}")
+        save()
+    if "expandable" in parts:
+        effect = qlora_gpu.expandable_segments_effect("1b", args.seq, args.accum, as_t4=args.as_t4)
+        results["expandable_segments"] = effect
+        print("expandable_segments, the training step alone (measured, a fresh process each):")
+        for value, peaks in effect.items():
+            if peaks.get("status") != "ok":
+                print(f"  expandable_segments:{value:<5}  {peaks.get('status')}: {peaks.get('error')}")
+                continue
+            print(f"  expandable_segments:{value:<5}  allocated {peaks['allocated_peak'] / 2**20:9.1f} MiB  "
+                  f"reserved {peaks['reserved_peak'] / 2**20:9.1f} MiB")
+        save()
     return 0
 
 

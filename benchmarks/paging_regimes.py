@@ -1,6 +1,7 @@
-"""Lesson 4 on the simulator: the three paging regimes, bitsandbytes' 125 ms/GB, the driver's
-policy against the seed's, paging against offload, 8-bit state and LoRA, and the simulator's own
-speed. Runs on CPU in seconds.
+"""Lesson 4 on the simulator: the three paging regimes, bitsandbytes' 125 ms/GB (an input of the
+simulator, not a result), the driver's policy against the seed's, paging against offload, 8-bit state
+and LoRA, and the simulator's own speed. Every figure is simulated, from `Hardware.t4()`'s inputs.
+Runs on CPU in seconds.
 
     python benchmarks/paging_regimes.py
 """
@@ -25,7 +26,7 @@ def main() -> int:
     t = time.perf_counter()
     regimes = pg.regimes(hw)
     elapsed = time.perf_counter() - t
-    print("Regimes (paged 32-bit AdamW; unpaged = torch AdamW on the same device)")
+    print("Regimes, simulated (paged 32-bit AdamW; unpaged = torch AdamW on the same device)")
     print(f"{'regime':<10} {'params':>7} {'paged':>10} {'worst step':>10} {'last step':>9} {'unpaged':>14}")
     for name, r in regimes.items():
         unpaged = f"OOM in step {r.unpaged.oom.step}" if r.unpaged.oom else "fits"
@@ -36,7 +37,8 @@ def main() -> int:
     print(f"spike without empty_cache: last step {kept.slowdown(kept.steps[-1]):.2f}x "
           "(the allocator keeps the spike's memory reserved)\n")
 
-    print("bitsandbytes' estimate: 1 GB evicted per step on PCIe 3.0 x16 costs 125 ms")
+    print("bitsandbytes' estimate, 1 GB evicted per step on PCIe 3.0 x16 costs 125 ms, is the simulator's input "
+          "(half the link); the way out comes on top")
     print(f"{'link':<40} {'evicted GB':>10} {'in ms/GB':>9} {'out ms/GB':>9} {'total ms/GB':>11} {'vs 125':>7}")
     for link in (pg.Hardware.pcie3_x16(), hw):
         cost = pg.evicted_per_step_cost(1.0, link)
@@ -45,7 +47,8 @@ def main() -> int:
     print()
 
     thrash = regimes["thrashing"].setup
-    print("Policy and granularity on the thrashing model (steady step)")
+    print("Policy and granularity on the thrashing model (steady step, simulated). Without prefetch the fault")
+    print("counts are illustrative: the driver services faults in batches, and the simulator has no time for them")
     print(f"{'policy':<42} {'prefetch':>8} {'slowdown':>9} {'faults':>9} {'migrated':>11} {'sim s':>6}")
     policies = [("driver: 64K pages, 2M chunks, alloc order", pg.Policy.driver()),
                 ("2M blocks, alloc order", pg.Policy(granularity=2 * pg.MiB)),
@@ -59,11 +62,12 @@ def main() -> int:
                             record_timeline=False)
             sim_s = time.perf_counter() - t
             st = r.step_stats(2)
-            print(f"{label:<42} {'yes' if use_prefetch else 'no':>8} {r.slowdown(2):>8.2f}x {st.faults:>9} "
+            slowdown = f"{r.slowdown(2):>8.2f}x" if use_prefetch else f"{'-':>9}"
+            print(f"{label:<42} {'yes' if use_prefetch else 'no':>8} {slowdown} {st.faults:>9} "
                   f"{pg.format_bytes(st.h2d_bytes):>11} {sim_s:>6.2f}")
     print()
 
-    print("Steady-step slowdown by strategy (T4; OOM: out of memory)")
+    print("Steady-step slowdown by strategy, simulated (T4 inputs; OOM: out of memory)")
     rows = pg.compare_strategies(hardware=hw)
     labels = list(rows[0].slowdown)
     print(f"{'params':>7} {'unpaged':>8} " + " ".join(f"{label:>12}" for label in labels))

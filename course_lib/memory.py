@@ -41,7 +41,7 @@ OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged
 QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
-              "overhead", "total")
+              "optimizer_temporaries", "overhead", "total")
 
 # bitsandbytes 0.50.2 (optim/optimizer.py, Optimizer2State; docs/references.md): 8-bit blockwise
 # state, 256 values per float32 absmax; tensors below 4096 elements keep 32-bit state; two 256-entry
@@ -741,7 +741,7 @@ class Plan:
         for name, value in self.rows():
             shown = "unknown (no model shapes)" if name == "activations" and not self.activations_known \
                 else f"{value / GiB:10.2f} GiB"
-            lines.append(f"  {name:<16} {shown}")
+            lines.append(f"  {name:<21} {shown}")
         lines.append(self.verdict())
         if self.tricks:
             lines.append("What makes it fit, in order (each on top of the ones before):")
@@ -802,12 +802,19 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     base = states.weights + states.optimizer_state + states.master_weights + states.quantization
     notes: list[str] = []
     detail: dict[str, int | float | str] = {}
+    temporaries = 0
     if spec is None:
         extra = 0
         notes.append("activations unknown: only a parameter count was given (name a model or a config.json "
                      "for activations and the optimizer step's temporaries)")
     else:
         extra, detail = _step_extra(spec, setup, states, "cuda" if cuda else "cpu")
+        temporaries = detail.pop("optimizer_temporaries_over_activations")
+        extra -= temporaries
+        if detail["autocast_copies"]:
+            notes.append(f"{setup.precision} autocast re-casts the fp32 frozen weights that prepare_model_for_kbit_training "
+                         f"made (the output layer) at every call: {format_bytes(detail['autocast_copies'])} of 16-bit "
+                         "copies live from its forward to its backward")
         if supported_attention(spec.config, setup.attention) != setup.attention:
             notes.append(f"attention: eager, because transformers' {type(spec.config).__name__.replace('Config', '')} "
                          f"does not support {setup.attention} (eager stores the s x s attention scores)")
@@ -815,17 +822,18 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
             notes.append(f"checkpointing {setup.checkpointing}: recomputes {detail['recompute_fraction']:.0%} "
                          "of one forward of the layers (lesson 3's cost model)")
     overhead = CUDA_CONTEXT_BYTES if cuda else 0
-    total = base + states.gradients + extra + overhead
+    total = base + states.gradients + extra + temporaries + overhead
     values = {"weights": states.weights, "gradients": states.gradients, "optimizer_state": states.optimizer_state,
               "master_weights": states.master_weights, "quantization": states.quantization,
-              "activations": extra, "overhead": overhead, "total": total}
+              "activations": extra, "optimizer_temporaries": temporaries, "overhead": overhead, "total": total}
     if cuda:
         notes.append(f"overhead: CUDA context and libraries, about {format_bytes(CUDA_CONTEXT_BYTES)} "
                      "(300 to 700 MB, docs/references.md#pytorch-issue-28113-memory-used-when-cuda-starts), "
                      "not seen by torch.cuda.memory_allocated")
     if cuda and setup.optimizer == "adamw" and spec is not None:
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
-                     f"{format_bytes(states.trainable * states.state_itemsize)} more at the step; "
+                     f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
+                     f"(optimizer_temporaries: what it adds over the activations' peak); "
                      "fused=True (Trainer's adamw_torch_fused) avoids it")
     if setup.optimizer.startswith("paged"):
         notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
@@ -859,10 +867,12 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         layers = trace.layer_backward_peak + peak_change
         tail = trace.tail_backward_peak  # after the layers' backward: none of their activations is left
     dequant = trace.dequant_transient
+    copies = _autocast_copies(spec, setup)
     step = grads + _optimizer_step_extra(setup.optimizer, states.trainable_shapes, states.state_itemsize,
                                          states.grad_itemsize, target == "cuda", setup.precision.startswith("mixed"))
     batch = 2 * setup.batch * setup.seq * 8  # the int64 input ids and labels, live for the whole step
-    peak = max(forward + dequant, head + dequant, layers + dequant, tail, step) + batch
+    activation_peak = max(forward + dequant + copies, head + dequant + copies, layers + dequant, tail) + batch
+    peak = max(activation_peak, step + batch)
     config = spec.config
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 0)
@@ -871,13 +881,28 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         "saved_per_layer": round(sum(trace.saved) / max(n, 1)),
         "layer_input": trace.inputs[0] if n else 0,
         "batch": batch,
-        "forward_peak": forward + dequant + batch, "backward_peak": max(head + dequant, layers + dequant, tail) + batch,
+        "forward_peak": forward + dequant + copies + batch,
+        "backward_peak": max(head + dequant + copies, layers + dequant, tail) + batch,
         "optimizer_step_peak": step + batch,
+        "optimizer_temporaries_over_activations": max(0, step + batch - max(activation_peak, grads)),
+        "autocast_copies": copies,
         "korthikanti_formula": korthikanti_bytes(setup.batch, setup.seq, hidden, heads, n) if hidden else 0,
         "recompute_fraction": chosen.recompute_fraction,
         "checkpoint_segments": " ".join(f"{a}-{b - 1}" for a, b in chosen.plan),
     }
     return max(peak - grads, 0), detail
+
+
+def _autocast_copies(spec: ModelSpec, setup: Setup) -> int:
+    """16-bit copies autocast makes of fp32 frozen weights (lesson 5, "what makes it fit"): after
+    prepare_model_for_kbit_training the output layer is fp32; under a 16-bit autocast every call casts
+    it, and the copy is saved for its backward (a frozen weight's cast is not cached)."""
+    if not setup.prepare_kbit or setup.weight_dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    output = [p for p in spec.params if p.is_lm_head]
+    if not output and getattr(spec.config, "tie_word_embeddings", False):  # tied: the embedding is the output layer
+        output = [p for p in spec.params if p.module == "embedding"][:1]
+    return sum(p.numel for p in output) * _itemsize(setup.weight_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -900,8 +925,9 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
             precision = "fp16"
         tricks.append((f"LoRA r={DEFAULT_LORA_RANK} on all linear layers, frozen {precision} base",
                        replace(setup, lora_rank=DEFAULT_LORA_RANK, precision=precision)))
-    if setup.quant == "none":
-        tricks.append(("QLoRA: 4-bit NF4 base with double quantization", replace(setup, quant="nf4-dq")))
+    if setup.quant == "none":  # as peft's QLoRA recipe does it: prepare_model_for_kbit_training included
+        tricks.append(("QLoRA: NF4-DQ base + prepare_model_for_kbit_training",
+                       replace(setup, quant="nf4-dq", prepare_kbit=True)))
     return tricks
 
 

@@ -1,19 +1,19 @@
 """Paged optimizers and manual offload on a real CUDA GPU (lesson 4, "the real thing").
 
 - `CPUOffloadAdamW`: whole-tensor CPU offload of AdamW in the manner of torchao's
-  `CPUOffloadOptimizer` (FACTS.md): gradients copied to pinned host memory in
-  post-accumulate-grad hooks, the step on the CPU, parameters copied back. It runs on CPU too
-  (there it is plain AdamW on fp32 copies), which is how it is tested.
+  `CPUOffloadOptimizer` (torchao prototype/low_bit_optim/cpu_offload.py): gradients copied to pinned
+  host memory in post-accumulate-grad hooks, the step on the CPU, parameters copied back. It runs on
+  CPU too (there it is plain AdamW on fp32 copies), which is how it is tested.
 - `VirtualGPU`: makes a big GPU behave like a small one: a balloon of ordinary memory leaves
   `capacity` bytes free (so unified memory is really short), and
   `torch.cuda.set_per_process_memory_fraction` caps PyTorch's allocator at the same point.
 - `PrefetchTimeline`: records, per parameter, when bitsandbytes' prefetch and update ran.
-- `paging_demo`: plain AdamW runs out of memory under the cap, bitsandbytes' PagedAdamW (32-bit and
-  8-bit) completes; step times and memory (allocated, reserved, used as nvidia-smi shows it).
+- `paging_demo`: plain AdamW runs out of memory; bitsandbytes' AdamW8bit (unpaged) and PagedAdamW
+  (32-bit and 8-bit) complete, as does CPU offload; step times and memory (allocated, reserved, used
+  as nvidia-smi shows it, and what lies outside PyTorch's allocator).
 
-bitsandbytes never frees paged state (`cudaMallocManaged` without a `cudaFree`; the global page
-manager keeps every buffer): `release_paged_state` moves it to the host so that it stops taking GPU
-memory, but the host memory stays taken until the process ends.
+bitsandbytes never frees paged state and cannot move it off the GPU without ending the process
+(`course_lib.isolate`): every demo row runs in its own process.
 """
 
 from __future__ import annotations
@@ -25,122 +25,20 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from course_lib import isolate
+from course_lib.cpu_offload import CPUOffloadAdamW
 from course_lib.checkpointing import mlp_stack
 from course_lib.measure import GiB, MiB
-from course_lib.paging import params_from_module, TrainingSetup
+from course_lib.paging import params_from_module, simulate, simulate_offload, training_trace, TrainingSetup
+from course_lib.paging.probe import measure_bandwidths  # noqa: F401  (lesson 4 calls it from here)
 
-DEMO_OPTIMIZERS = ("adamw", "paged_adamw_32bit", "paged_adamw_8bit", "cpu_offload_adamw")
-
-
-class CPUOffloadAdamW:
-    """AdamW whose state (and an fp32 master copy of each parameter) lives in host memory
-    (lesson 4, "manual offload").
-
-    Each parameter's gradient is copied to a pinned host buffer as soon as backward has
-    accumulated it (a post-accumulate-grad hook, on a side stream, overlapping the rest of
-    backward); with `offload_gradients=True` the device gradient is freed at once. `step()` waits
-    for each copy, runs a fused AdamW step on the host, and copies the parameter back
-    asynchronously. GPU memory: weights (and activations) only; cost: the copies and the host step,
-    paid every step. Gradient accumulation works (later backward passes add on the host).
-    """
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, offload_gradients: bool = True) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("CPUOffloadAdamW got no parameters that require grad")
-        if lr <= 0:
-            raise ValueError(f"lr must be positive, got {lr}")
-        self.offload_gradients = offload_gradients
-        self.cuda = any(p.is_cuda for p in self.params)
-        self.stream = torch.cuda.Stream() if self.cuda else None
-        self.master: list[torch.nn.Parameter] = []
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.events: list[torch.cuda.Event | None] = [None] * len(self.params)
-        self.ready = [False] * len(self.params)
-        self.accumulated = [False] * len(self.params)
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._hooks = []
-        for p in self.params:
-            master = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, pin_memory=self.cuda))
-            with torch.no_grad():
-                master.copy_(p.detach())
-            master.grad = torch.zeros(p.shape, dtype=torch.float32, pin_memory=self.cuda)
-            self.master.append(master)
-            self.optimizers.append(_host_adamw([master], lr, betas, eps, weight_decay))
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        i = self._index[id(p)]
-        self.ready[i] = True
-        if not self.offload_gradients:
-            return  # p.grad stays on the device and accumulates there; step() copies it
-        grad, host = p.grad, self.master[i].grad
-        if self.events[i] is not None:  # a later micro-batch: wait for the first copy, then add
-            self.events[i].synchronize()
-            self.events[i] = None
-            host.add_(grad.detach().to("cpu", torch.float32))
-        elif self.accumulated[i]:
-            host.add_(grad.detach().to("cpu", torch.float32))
-        elif self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                host.copy_(grad.detach(), non_blocking=True)
-                grad.record_stream(self.stream)  # the block is not reused before the copy ends
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self.events[i] = event
-        else:
-            host.copy_(grad.detach())
-        self.accumulated[i] = True
-        p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for i, p in enumerate(self.params):
-            if not self.ready[i]:
-                continue
-            if self.events[i] is not None:
-                self.events[i].synchronize()
-                self.events[i] = None
-            if not self.offload_gradients:
-                self.master[i].grad.copy_(p.grad.detach())
-            self.optimizers[i].step()
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
-                    p.copy_(self.master[i], non_blocking=True)
-            else:
-                p.copy_(self.master[i])
-            self.ready[i] = self.accumulated[i] = False
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on the host (exp_avg, exp_avg_sq, step counters)."""
-        return sum(t.numel() * t.element_size() for opt in self.optimizers for state in opt.state.values()
-                   for t in state.values() if isinstance(t, torch.Tensor))
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-
-
-def _host_adamw(params, lr, betas, eps, weight_decay) -> torch.optim.Optimizer:
-    try:
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
-    except (RuntimeError, TypeError, ValueError):  # an older torch without fused CPU AdamW
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+DEMO_OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "cpu_offload_adamw")
+MARGIN = 0.15   # every OOM / no-OOM outcome of the demo is at least this far from the capacity
 
 
 def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 1e-4):
-    """The optimizers the lesson compares, by name: "adamw" (torch), "paged_adamw_32bit",
-    "paged_adamw_8bit", "adamw_8bit" (bitsandbytes), "cpu_offload_adamw" (this module)."""
+    """The optimizers the lesson compares, by name: "adamw" (torch, foreach on CUDA), "paged_adamw_32bit",
+    "paged_adamw_8bit", "adamw_32bit", "adamw_8bit" (bitsandbytes), "cpu_offload_adamw" (lesson 4)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     if name == "cpu_offload_adamw":
@@ -148,37 +46,19 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 
     import bitsandbytes as bnb
 
     makers = {"paged_adamw_32bit": bnb.optim.PagedAdamW32bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-              "adamw_8bit": bnb.optim.AdamW8bit}
+              "adamw_32bit": bnb.optim.AdamW32bit, "adamw_8bit": bnb.optim.AdamW8bit}
     if name not in makers:
         raise ValueError(f"unknown optimizer {name!r}: use one of {('adamw', 'cpu_offload_adamw', *makers)}")
     return makers[name](params, lr=lr)
 
 
-def release_paged_state() -> int:
-    """Move every paged buffer bitsandbytes ever allocated to the host and forget it (lesson 4); return its
-    bytes. bitsandbytes never frees paged memory, so without this a second paged optimizer in the
-    same process competes with the first one's state for GPU memory."""
-    try:
-        import bitsandbytes.functional as F
-    except Exception:  # bitsandbytes missing or broken: nothing was paged
-        return 0
-    manager = F.GlobalPageManager.get_instance()
-    total = 0
-    if torch.cuda.is_available():
-        for tensor in manager.paged_tensors:
-            F.prefetch_tensor(tensor, to_cpu=True)
-            total += tensor.numel() * tensor.element_size()
-        torch.cuda.synchronize()
-    manager.paged_tensors.clear()
-    return total
-
-
 def release_cuda_memory() -> None:
-    """A clean GPU for the next run (lessons 4 and 5): collect the garbage, release the paged state
-    bitsandbytes never frees, and return the caching allocator's cached blocks."""
+    """Collect the garbage and return the caching allocator's cached blocks (lessons 4 and 5). Paged
+    state is not given back by this or anything else in the process: run what creates it through
+    `course_lib.isolate.run`."""
     gc.collect()
-    release_paged_state()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +101,7 @@ class VirtualGPU:
         torch.cuda.set_per_process_memory_fraction(min(1.0, (reserved + self.capacity) / total), self.device)
         self.total = total
         self.baseline = self.used()  # CUDA context and whatever else was there before
+        self.outside_baseline = self.outside_allocator()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -239,6 +120,11 @@ class VirtualGPU:
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) - self.balloon_bytes
+
+    def outside_allocator(self) -> int:
+        """Device memory in use that PyTorch's allocator did not reserve: the CUDA context, library
+        modules, and resident managed (paged) memory."""
+        return self.used() - self.reserved()
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,13 +201,73 @@ def mlp_setup(shape: dict[str, int], optimizer: str = "paged_adamw_32bit"):
 
 
 def demo_shape(capacity: int) -> dict[str, int]:
-    """A model for a `capacity`-byte GPU (lesson 4): weights + gradients take half of it, 32-bit Adam state
-    another half (so plain AdamW cannot fit), 8-bit state an eighth, activations about 15%."""
+    """A model for a `capacity`-byte GPU (lesson 4): fp32 weights 30% of it, gradients as much, 32-bit
+    Adam state twice that (so neither plain AdamW nor the paged state fits), 8-bit state about 15%,
+    activations 8%. `demo_margins` checks that every outcome is clear of the capacity by `MARGIN`."""
     hidden = 4096 if capacity >= 3 * GiB else 2048
     per_layer = hidden * hidden + hidden
-    layers = max(2, int(capacity / 2 / 8 / per_layer))
-    tokens = max(64, int(0.15 * capacity / (layers * hidden * 4)))
+    layers = max(2, round(0.297 * capacity / 4 / per_layer))
+    tokens = max(64, int(0.08 * capacity / ((layers + 1) * hidden * 4)))
     return {"hidden": hidden, "layers": layers, "tokens": tokens}
+
+
+def demo_margins(capacity: int, shape: dict[str, int] | None = None,
+                 optimizers: Sequence[str] = DEMO_OPTIMIZERS, tokens: int | None = None) -> dict[str, dict[str, float]]:
+    """What each demo row needs over `capacity`, simulated on an unbounded device (lesson 4): "ordinary"
+    is PyTorch's peak reserve (blocks rounded, foreach temporaries), "total" adds the resident paged
+    state, "activations" is their share. Whether the allocator reuses the activations' freed blocks
+    for later requests depends on their sizes, so a claim must hold either way (`demo_claims`)."""
+    from course_lib.paging import Hardware
+
+    shape = shape or demo_shape(capacity)
+    tokens = tokens or shape["tokens"]
+    huge = Hardware.t4().with_memory(1 << 50)
+    out = {}
+    for name in optimizers:
+        setup = mlp_setup(shape, "adamw" if name == "cpu_offload_adamw" else name)
+        activations = setup.bytes_by_category(tokens)["activations"]
+        if name == "cpu_offload_adamw":
+            ordinary = total = simulate_offload(setup, tokens, huge).device_peak
+        else:
+            r = simulate(training_trace(setup, [tokens] * 2), huge, record_timeline=False)
+            ordinary, total = r.peak_reserved, r.peak_used
+        out[name] = {"ordinary": ordinary / capacity, "total": total / capacity, "activations": activations / capacity}
+    return out
+
+
+def demo_claims(margins: dict[str, dict[str, float]]) -> dict[str, bool]:
+    """The demo's claims, each true by at least `MARGIN` whether or not freed activation blocks are
+    reused (lesson 4): plain AdamW runs out of memory; every other row completes; paged 32-bit state
+    pages; the 8-bit rows move nothing."""
+    low, high = 1 - MARGIN, 1 + MARGIN
+    worst = {name: m["ordinary"] + m["activations"] for name, m in margins.items()}   # no reuse
+    claims = {"adamw runs out of memory": margins["adamw"]["ordinary"] >= high}
+    for name in DEMO_OPTIMIZERS[1:]:
+        claims[f"{name} completes"] = worst[name] <= low
+    claims["paged_adamw_32bit pages"] = margins["paged_adamw_32bit"]["total"] >= high
+    for name in ("adamw_8bit", "paged_adamw_8bit"):
+        claims[f"{name} moves nothing"] = margins[name]["total"] + margins[name]["activations"] <= low
+    return claims
+
+
+def spike_plan(capacity: int, shape: dict[str, int] | None = None) -> dict:
+    """The spike experiment for the demo model of a `capacity`-byte GPU (lesson 4, "a transient spike"):
+    a GPU 1.5 times as big, two normal steps, one 11 times longer, three normal ones. Compared with
+    bitsandbytes' unpaged 32-bit AdamW (the same state, no foreach temporaries), so that paging is the
+    only difference. The claims, simulated, each clear by `MARGIN`: unpaged fits the normal steps and
+    runs out of memory at the spike; paged survives it by evicting state."""
+    shape = shape or demo_shape(capacity)
+    big, t = int(1.5 * capacity), shape["tokens"]
+    pair = ("adamw_32bit", "paged_adamw_32bit")
+    normal = demo_margins(big, shape, pair)
+    spike = demo_margins(big, shape, pair, tokens=11 * t)
+    low, high = 1 - MARGIN, 1 + MARGIN
+    claims = {"unpaged fits the normal steps": normal["adamw_32bit"]["ordinary"] + normal["adamw_32bit"]["activations"] <= low,
+              "unpaged runs out of memory at the spike": spike["adamw_32bit"]["ordinary"] >= high,
+              "paged survives the spike": spike["paged_adamw_32bit"]["ordinary"] <= low,
+              "paged evicts state at the spike": spike["paged_adamw_32bit"]["total"] >= high}
+    return {"capacity": big, "tokens": [t, t, 11 * t, t, t, t], "spike_step": 2, "claims": claims,
+            "margins": {"normal": normal, "spike": spike}}
 
 
 @dataclass
@@ -338,7 +284,7 @@ class StepRecord:
     allocated: int
     reserved: int
     used: int
-    managed_resident: int = 0
+    outside_allocator: int = 0   # growth since the warm-up of device memory PyTorch did not reserve
 
 
 @dataclass
@@ -393,9 +339,9 @@ def run_training(optimizer_name: str, shape: dict[str, int], steps: int, gpu: Vi
             alloc = gpu.allocated() if gpu else (torch.cuda.memory_allocated() if device == "cuda" else 0)
             reserved = gpu.reserved() if gpu else (torch.cuda.memory_reserved() if device == "cuda" else 0)
             used = gpu.used() if gpu else 0
-            managed = max(0, used - reserved - gpu.baseline) if gpu else 0
+            outside = gpu.outside_allocator() - gpu.outside_baseline if gpu else 0
             run.steps.append(StepRecord(optimizer_name, step, tokens, t3 - t0, t1 - t0, t2 - t1, t3 - t2,
-                                        alloc, reserved, used, managed))
+                                        alloc, reserved, used, outside))
         if timeline is not None:
             run.timeline = list(timeline.entries)
         if hasattr(opt, "state_bytes"):
@@ -409,80 +355,71 @@ def run_training(optimizer_name: str, shape: dict[str, int], steps: int, gpu: Vi
         if isinstance(opt, CPUOffloadAdamW):
             opt.remove_hooks()
         model = opt = timeline = x = loss = None
-        if torch.cuda.is_available():
-            release_cuda_memory()
-        else:
-            gc.collect()
+        release_cuda_memory()
     return run
+
+
+def warm_up(device: torch.device) -> None:
+    """Load what the demo's first step would load lazily (cuBLAS, the foreach kernels, bitsandbytes'
+    CUDA library) on tensors too small to be paged, so that memory measured after it is the run's own
+    (lesson 4)."""
+    model = mlp(64, 2, device)
+    for name in ("adamw", "adamw_8bit", "paged_adamw_8bit"):
+        opt = make_optimizer(name, list(model.parameters()))   # 64 x 64 < 1e5 elements: never paged
+        model(torch.randn(8, 64, device=device)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    del model, opt
+    _sync()
+    release_cuda_memory()
+
+
+def demo_row(optimizer: str, shape: dict[str, int], steps: int, capacity: int | None = None,
+             tokens_per_step: Sequence[int] | None = None, empty_cache_after: Sequence[int] = ()) -> dict:
+    """One row of the demo, meant to run in its own process (`isolate.run`, lesson 4): on CUDA, warm up,
+    make the GPU `capacity` bytes big, train; the paged column is what lies outside the allocator
+    after the run minus what lay there after the warm-up. On a CPU: just train."""
+    if not torch.cuda.is_available():
+        return run_training(optimizer, shape, steps, None, tokens_per_step, empty_cache_after).to_dict()
+    warm_up(torch.device("cuda"))
+    with VirtualGPU(capacity or 4 * GiB) as gpu:
+        run = run_training(optimizer, shape, steps, gpu, tokens_per_step, empty_cache_after).to_dict()
+        return {**run, "capacity": gpu.capacity, "outside_allocator_after_warm_up": gpu.outside_baseline,
+                "device": torch.cuda.get_device_name()}
+
+
+def isolated_runs(rows: Sequence[dict], timeout: float | None = None) -> list[dict]:
+    """`demo_row(**row)` for each row, each in a fresh process (lesson 4): paged state is never freed, so
+    no row sees another's. Each result carries its process id ("pid")."""
+    return [isolate.run("course_lib.offload:demo_row", timeout=timeout, **row) for row in rows]
 
 
 def paging_demo(capacity: int = 4 * GiB, steps: int = 5, optimizers: Sequence[str] = DEMO_OPTIMIZERS,
                 shape: dict[str, int] | None = None) -> dict:
-    """Plain AdamW vs bitsandbytes' paged AdamW (32- and 8-bit) vs manual offload on a GPU made to
-    look `capacity` bytes big (lesson 4, "the real thing"). Needs CUDA."""
+    """Plain AdamW vs bitsandbytes' AdamW8bit, PagedAdamW (32- and 8-bit) and manual offload on a GPU
+    made to look `capacity` bytes big (lesson 4, "the real thing"), one process per optimizer. Needs
+    CUDA; this process itself never touches the GPU."""
     if not torch.cuda.is_available():
         raise RuntimeError("paging_demo needs a CUDA GPU; on CPU use course_lib.paging (the simulator)")
     shape = shape or demo_shape(capacity)
-    out = {"capacity": capacity, "shape": shape, "device": torch.cuda.get_device_name(), "runs": {}}
-    with VirtualGPU(capacity) as gpu:
-        out["used_at_start"] = gpu.used()
-        for name in optimizers:
-            out["runs"][name] = run_training(name, shape, steps, gpu).to_dict()
-    return out
-
-
-def measure_bandwidths(nbytes: int = 512 * MiB, repeats: int = 3) -> dict[str, float]:
-    """Bytes per second (lesson 4) of pinned copies (both ways) and of unified-memory prefetches (both ways,
-    through bitsandbytes' own paged buffers): the efficiency bitsandbytes' docs put at about half."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("measure_bandwidths needs a CUDA GPU")
-    import bitsandbytes.functional as F
-
-    def best(fn: Callable[[], None]) -> float:
-        times = []
-        for _ in range(repeats):
-            _sync()
-            t = time.perf_counter()
-            fn()
-            _sync()
-            times.append(time.perf_counter() - t)
-        return nbytes / min(times)
-
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    result = {"pinned_h2d": best(lambda: dev.copy_(host, non_blocking=True)),
-              "pinned_d2h": best(lambda: host.copy_(dev, non_blocking=True))}
-    del host, dev
-    paged = F.get_paged(nbytes, dtype=torch.uint8, device=torch.device("cuda", 0))
-    F.fill(paged, 0)
-
-    h2d, d2h = [], []
-    for _ in range(repeats):
-        F.prefetch_tensor(paged, to_cpu=True)
-        _sync()
-        t = time.perf_counter()
-        F.prefetch_tensor(paged)
-        _sync()
-        h2d.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        F.prefetch_tensor(paged, to_cpu=True)
-        _sync()
-        d2h.append(time.perf_counter() - t)
-    result["um_prefetch_h2d"] = nbytes / min(h2d)
-    result["um_prefetch_d2h"] = nbytes / min(d2h)
-    return result  # the paged buffer is never freed (bitsandbytes has no free); it ends on the host
+    rows = isolated_runs([{"optimizer": name, "shape": shape, "steps": steps, "capacity": capacity}
+                          for name in optimizers])
+    return {"capacity": capacity, "shape": shape, "runs": dict(zip(optimizers, rows)),
+            "margins": demo_margins(capacity, shape)}
 
 
 def runs_table(runs: dict[str, dict]) -> str:
-    """One line per optimizer run (lesson 4; as `DemoRun.to_dict()`): status, median step time (steps after
-    the first), phases of the last step, and memory after it: allocated, reserved, used as
-    nvidia-smi would show it, and the managed (paged) memory resident on the GPU."""
+    """One line per optimizer run (lesson 4; as `demo_row` returns them), measured: status, median step
+    time (steps after the first), phases of the last step, and memory after it: allocated, reserved,
+    used as nvidia-smi would show it on the small GPU, and "outside": what grew outside PyTorch's
+    allocator since the warm-up. For a paged row that is its resident paged state; for the unpaged
+    rows it is the noise floor the paged rows are read against."""
     lines = [f"{'optimizer':<20} {'status':<14} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'opt':>7} "
-             f"{'allocated':>10} {'reserved':>10} {'used':>10} {'paged':>10}"]
+             f"{'allocated':>10} {'reserved':>10} {'used':>10} {'outside':>10}"]
     for name, run in runs.items():
-        steps = run["steps"]
-        if run["status"] != "ok" or not steps:
-            lines.append(f"{name:<20} {run['status']:<14} {run['error'][:80]}")
+        steps = run.get("steps") or []
+        if run.get("status") != "ok" or not steps:
+            lines.append(f"{name:<20} {run.get('status', '?'):<14} {str(run.get('error', ''))[:80]}")
             continue
         times = sorted(s["seconds"] for s in (steps[1:] or steps))
         median = times[len(times) // 2]
@@ -490,5 +427,5 @@ def runs_table(runs: dict[str, dict]) -> str:
         lines.append(f"{name:<20} {run['status']:<14} {1e3 * median:>8.1f} {1e3 * last['forward']:>6.1f} "
                      f"{1e3 * last['backward']:>6.1f} {1e3 * last['optimizer_step']:>7.1f} "
                      f"{last['allocated'] / GiB:>8.2f}Gi {last['reserved'] / GiB:>8.2f}Gi "
-                     f"{last['used'] / GiB:>8.2f}Gi {last['managed_resident'] / GiB:>8.2f}Gi")
+                     f"{last['used'] / GiB:>8.2f}Gi {last['outside_allocator'] / GiB:>8.2f}Gi")
     return "\n".join(lines)

@@ -29,9 +29,9 @@ import torch
 
 from course_lib import offload
 from course_lib.checkpointing import hf_checkpointing
-from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
+from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.measure import format_bytes, optimizer_state_tensors, peak_bytes
-from course_lib.memory import CUDA_CONTEXT_BYTES, GPU, get_gpu, plan, Setup
+from course_lib.memory import GPU, plan, Setup
 from course_lib.models import build_model as meta_model, load_config, spec_from_model
 
 # The Trainer's `optim` names and the planner's names for the same optimizer.
@@ -139,12 +139,24 @@ _SAVED: dict[str, Path] = {}
 
 
 def _checkpoint_dir(config) -> Path:
-    """Random weights for `config`, saved once per config in a temporary folder (seed 0)."""
+    """Random weights for `config`, saved once per config in a temporary folder (seed 0). With
+    COURSE_LIB_CHECKPOINTS set, in a folder there named after the config, shared by every process
+    (benchmarks/gpu_check.sh: the 1B checkpoint is written once for all its parts)."""
+    import hashlib
+    import os
+
     from transformers import AutoModelForCausalLM
 
     key = config.to_json_string()
+    shared = os.environ.get("COURSE_LIB_CHECKPOINTS")
+    if shared and key not in _SAVED:
+        folder = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16]
+        if (folder / "config.json").exists():
+            _SAVED[key] = folder
     if key not in _SAVED or not (_SAVED[key] / "config.json").exists():
-        folder = Path(tempfile.mkdtemp(prefix="course_lib_qlora_"))
+        folder = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16] if shared else \
+            Path(tempfile.mkdtemp(prefix="course_lib_qlora_"))
+        folder.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with _quiet():
@@ -351,7 +363,8 @@ class Row:
 
 
 def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *, timed_steps: int = 1,
-                   label: str = "", policy: DtypePolicy | None = None, gpu: GPU | None = None) -> Row:
+                   label: str = "", policy: DtypePolicy | None = None, gpu: GPU | None = None,
+                   weights: str | Path | None = None) -> Row:
     """Build the recipe's model, run one optimizer step unmeasured (the optimizer state appears), time
     whole optimizer steps (accum micro-batches and the update), then measure the peak of one more,
     beside the planner's prediction of the same recipe (lesson 5).
@@ -359,6 +372,8 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     On CUDA, a recipe the planner predicts not to fit `gpu` (default: the device itself) is not run,
     and one that runs out of memory is reported as such. `policy` and `gpu` default to the device's;
     those `emulate_t4()` returns run the T4 recipe on a larger GPU (benchmarks/gpu_qlora.py --as-t4).
+    `weights` as in `build_model`. A paged optimizer's state stays in this process until it ends:
+    on CUDA, measure each recipe in its own process (`ablation` does).
     """
     recipe.validate()
     device = torch.device(device)
@@ -373,36 +388,41 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     if gpu is not None and predicted.total > 0.95 * min(gpu.memory_bytes, torch.cuda.mem_get_info(device)[0]):
         return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "predicted not to fit")
     try:
-        return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak)
+        return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak, weights)
     except torch.cuda.OutOfMemoryError:
         pass  # leave the except block first: its traceback holds the model and the optimizer
     offload.release_cuda_memory()
     return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "out of memory")
 
 
-def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, timed_steps: int, label: str,
-             predicted_peak: int) -> Row:
-    model = build_model(config, recipe, device, policy)
+def recipe_step(model, recipe: Recipe, policy: DtypePolicy, ids: torch.Tensor):
+    """The optimizer and a function running one whole optimizer step of `recipe` (every micro-batch and
+    the update, with the policy's autocast and GradScaler), as the Trainer runs it (lesson 5)."""
+    device = ids.device
     optimizer = make_optimizer(model, recipe.optim)
     scaler = torch.amp.GradScaler(device.type) if policy.grad_scaler else None
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (recipe.batch, recipe.seq), generator=generator).to(device)
-
-    def loss_fn():
-        with torch.autocast(device.type, dtype=policy.autocast_dtype, enabled=policy.autocast_dtype is not None):
-            loss = model(input_ids=ids, labels=ids).loss
-        return loss
 
     def optimizer_step():
         optimizer.zero_grad(set_to_none=True)
         for _ in range(recipe.accum):
-            loss = loss_fn() / recipe.accum
+            with torch.autocast(device.type, dtype=policy.autocast_dtype, enabled=policy.autocast_dtype is not None):
+                loss = model(input_ids=ids, labels=ids).loss / recipe.accum
             (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
+
+    return optimizer, optimizer_step
+
+
+def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, timed_steps: int, label: str,
+             predicted_peak: int, weights: str | Path | None = None) -> Row:
+    model = build_model(config, recipe, device, policy, weights)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (recipe.batch, recipe.seq), generator=generator).to(device)
+    optimizer, optimizer_step = recipe_step(model, recipe, policy, ids)
 
     with _quiet():
         optimizer_step()  # unmeasured: the optimizer state appears
@@ -439,21 +459,6 @@ def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
     return peak
 
 
-def emulate_t4(device: str | torch.device = "cuda") -> tuple[DtypePolicy, GPU]:
-    """Make a larger CUDA GPU behave like Colab's T4 for lesson 5's recipe: cap this process's caching
-    allocator at the T4's visible memory less the CUDA context, and return the T4's precision policy
-    (fp16 autocast + GradScaler) and catalog entry, for `measure_recipe`, `ablation` and `train`.
-    The cap binds PyTorch's allocator only: a paged optimizer's unified memory lies outside it, as on a
-    T4, but is not squeezed by it, so a recipe that pages on a T4 may not page here."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError("emulate_t4 caps a CUDA GPU's memory: it needs a CUDA GPU")
-    t4 = get_gpu("t4")
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (t4.memory_bytes - CUDA_CONTEXT_BYTES) / total), device)
-    return policy_for_capability(t4.compute_capability), t4
-
-
 def _catalog_gpu(device: torch.device):
 
     props = torch.cuda.get_device_properties(device)
@@ -461,10 +466,17 @@ def _catalog_gpu(device: torch.device):
 
 
 def ablation(config, recipe: Recipe | None = None, device: str | torch.device = "cpu", *,
-             timed_steps: int = 1, policy: DtypePolicy | None = None, gpu: GPU | None = None) -> list[Row]:
+             timed_steps: int = 1, policy: DtypePolicy | None = None, gpu: GPU | None = None,
+             isolate: bool | None = None, as_t4: bool = False, progress=None) -> list[Row]:
     """Each trick switched off in turn, then all off, measured and predicted (lesson 5, "what each
-    trick buys"). `policy` and `gpu` as in `measure_recipe`."""
+    trick buys"). `policy` and `gpu` as in `measure_recipe`.
+
+    `isolate` (the default on CUDA) measures each row in its own process from one checkpoint saved
+    once: paged optimizer state is never freed, so rows in one process would see each other's. There
+    `as_t4` runs each row under `emulate_t4` (policy and gpu are then the child's, not arguments).
+    `progress(rows)` is called with the rows so far after each isolated row (to save them)."""
     recipe = (recipe or Recipe()).validate()
+    device = torch.device(device)
     cases = [("all tricks on", recipe)]
     names = {"nf4": "no 4-bit base (16/32-bit base)", "checkpointing": "no checkpointing",
              "accumulation": f"no accumulation (batch {recipe.effective_batch})",
@@ -475,6 +487,12 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
         if off != recipe:
             cases.append((names[trick], off))
     cases.append(("all tricks off", recipe.all_off()))
+    if isolate if isolate is not None else device.type == "cuda":
+        if policy is not None or gpu is not None:
+            raise ValueError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
+        from course_lib.qlora_gpu import isolated_rows
+
+        return isolated_rows(config, cases, device, timed_steps=timed_steps, as_t4=as_t4, progress=progress)
     return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
             for label, r in cases]
 
@@ -494,38 +512,13 @@ def format_ablation(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-_CHILD = """
-import json, sys, torch
-from course_lib import qlora
-config = qlora.llama_1b_config() if sys.argv[1] == "1b" else qlora.tiny_llama_config()
-policy, gpu = qlora.emulate_t4() if sys.argv[4] == "t4" else (None, None)
-row = qlora.measure_recipe(config, qlora.Recipe(seq=int(sys.argv[2]), accum=int(sys.argv[3])), "cuda",
-                           policy=policy, gpu=gpu)
-print(json.dumps({"allocated": row.measured_peak, "reserved": torch.cuda.max_memory_reserved()}))
-"""
+def __getattr__(name: str):
+    """`emulate_t4` and `expandable_segments_effect` live in `course_lib.qlora_gpu` (CUDA runs)."""
+    if name in ("emulate_t4", "expandable_segments_effect"):
+        from course_lib import qlora_gpu
 
-
-def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4, *,
-                               as_t4: bool = False) -> dict[str, dict[str, int]]:
-    """Peak allocated and reserved bytes of the all-tricks-on recipe with
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and :True, each in a fresh process (the setting
-    is read at the first CUDA call), CUDA only (lesson 5). `as_t4`: under `emulate_t4`."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("expandable_segments is a CUDA allocator setting: this needs a CUDA GPU")
-    if model not in ("1b", "tiny"):
-        raise ValueError(f"model must be '1b' or 'tiny', got {model!r}")
-    found = {}
-    for value in ("False", "True"):
-        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"expandable_segments:{value}")
-        done = subprocess.run([sys.executable, "-c", _CHILD, model, str(seq), str(accum), "t4" if as_t4 else "native"], env=env,
-                              capture_output=True, text=True, check=True)
-        found[value] = json.loads(done.stdout.strip().splitlines()[-1])
-    return found
+        return getattr(qlora_gpu, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Recipe", "RecipeError", "Row", "TRICKS", "ablation", "build_model", "counting_dataset",

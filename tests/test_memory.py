@@ -3,6 +3,7 @@ optimizers and real quantized layers, activations against measured training step
 checkpointing cost model as the one source of truth, the GPU catalog and "what makes it fit"."""
 
 import math
+from dataclasses import replace
 import warnings
 
 import pytest
@@ -289,3 +290,22 @@ def test_exercise_checks_accept_right_answers_and_explain_wrong_ones():
         checks.check_adamw8bit_state_bytes(lambda n: 8 * n if n < 4096 else 2 * n)
     with pytest.raises(AssertionError, match="round the number"):
         checks.check_adamw8bit_state_bytes(lambda n: 8 * n if n < 4096 else 2 * n + 8 * (n // 256))
+
+
+def test_optimizer_temporaries_are_their_own_category_and_prepare_kbit_costs_memory():
+    """The foreach AdamW step's sqrt(v) is counted apart from activations (what it adds over their peak),
+    and "what makes it fit" takes QLoRA as peft's recipe does it: prepare_model_for_kbit_training upcasts
+    the output layer to fp32, which fp16 autocast then re-casts at every call (lesson 5)."""
+    setup = memory.Setup(precision="fp32", batch=1, seq=64, checkpointing="every-layer")
+    foreach = plan("gpt2", setup, gpu="A100-80GB")
+    eight = plan("gpt2", replace(setup, optimizer="adamw8bit"), gpu="A100-80GB")
+    assert foreach.bytes["optimizer_temporaries"] > 0 and eight.bytes["optimizer_temporaries"] == 0
+    assert sum(foreach.bytes[c] for c in memory.CATEGORIES if c != "total") == foreach.total
+    qlora = dict(precision="fp16", lora_rank=16, quant="nf4-dq", batch=1, seq=128, checkpointing="every-layer",
+                 optimizer="adamw8bit")
+    plain = plan("llama-3.2-1b", gpu="t4", prepare_kbit=False, **qlora)
+    prepared = plan("llama-3.2-1b", gpu="t4", prepare_kbit=True, **qlora)
+    assert prepared.total > plain.total and prepared.detail["autocast_copies"] > 0 == plain.detail["autocast_copies"]
+    trick = plan("llama-3.1-8b", memory.Setup(precision="mixed-fp16", batch=16, seq=512), gpu="t4").tricks[-1]
+    assert "prepare_model_for_kbit_training" in trick.name and trick.setup.prepare_kbit
+

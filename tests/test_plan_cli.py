@@ -23,7 +23,7 @@ def test_seven_billion_adamw_is_112e9_bytes(capsys, precision):
     data = json.loads(out)
     assert data["bytes"]["total"] == 112_000_000_000
     assert set(data["bytes"]) == {"weights", "gradients", "optimizer_state", "master_weights", "quantization",
-                                  "activations", "overhead", "total"}
+                                  "activations", "optimizer_temporaries", "overhead", "total"}
     assert all(isinstance(v, int) for v in data["bytes"].values())
     assert data["bytes"]["overhead"] == 0 and data["activations_known"] is False
 

@@ -3,6 +3,8 @@ planner against measurement on the CPU."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -172,6 +174,42 @@ def test_gpu_settings_need_cuda(config):
             qlora.emulate_t4()
 
 
+def test_on_cuda_every_ablation_row_goes_to_a_process_of_its_own(config, monkeypatch):
+    """The parent saves one checkpoint and sends each row to `isolate.run`: checked on the CPU with the
+    child replaced by a fake; a child that dies becomes a row that says so."""
+    from course_lib import isolate
+
+    calls = []
+
+    def fake(target, **kw):
+        calls.append((target, kw))
+        if len(calls) == 2:
+            return {"status": "crashed", "error": "CUDA error: an illegal memory access", "pid": None}
+        row = qlora.Row(kw["label"], qlora.Recipe(**kw["recipe"]), 1, 1, 1.0, 1)
+        return {"status": "ok", "row": asdict(row), "pid": len(calls)}
+
+    monkeypatch.setattr(isolate, "run", fake)
+    recipe = qlora.Recipe(seq=16, accum=2)
+    rows = qlora.ablation(config, recipe, "cuda", as_t4=True)
+    assert len(calls) == len(rows) >= 7
+    assert {target for target, _ in calls} == {"course_lib.qlora_gpu:measure_row"}
+    assert len({kw["config_dir"] for _, kw in calls}) == 1 and all(kw["as_t4"] for _, kw in calls)
+    assert [kw["label"] for _, kw in calls] == [r.label for r in rows]
+    assert rows[1].status.startswith("crashed") and rows[1].measured_peak is None and rows[1].predicted_peak > 0
+    with pytest.raises(ValueError, match="as_t4"):
+        qlora.ablation(config, recipe, "cuda", policy=T4)
+
+
+def test_an_isolated_row_runs_in_a_child_process_and_measures_the_same(config):
+    from course_lib import qlora_gpu
+
+    recipe = qlora.Recipe(seq=32, accum=1)
+    [child] = qlora_gpu.isolated_rows(config, [("all on", recipe)], "cpu")
+    here = qlora.measure_recipe(config, recipe, weights=qlora._checkpoint_dir(config))
+    assert child.status == "measured" and child.label == "all on"
+    assert child.measured_peak == here.measured_peak and child.predicted_peak == here.predicted_peak
+
+
 def test_trainer_loss_decreases(config):
     data = qlora.counting_dataset(32, 32, 16)
     result = qlora.train(config, qlora.Recipe(seq=32, accum=2), data, max_steps=8, learning_rate=1e-2)
@@ -206,4 +244,19 @@ def test_check_fit_in_budget_measures_and_fails_with_hints(config):
         checks.check_fit_in_budget(no_tricks, config, 4 * 2**20, effective_batch=4, seq=32)
     with pytest.raises(AssertionError, match="return a qlora.Recipe"):
         checks.check_fit_in_budget(lambda *a: None, config, 2**30, effective_batch=4, seq=32)
-    checks.check_fit_in_budget(every_trick, config, 2**30, effective_batch=4, seq=32)
+    with pytest.raises(AssertionError, match="fits without"):   # a GiB needs no trick at all
+        checks.check_fit_in_budget(every_trick, config, 2**30, effective_batch=4, seq=32)
+    with pytest.raises(AssertionError, match="does not show"):  # right for the shown budget, not for a hidden one
+        checks.check_fit_in_budget(no_tricks, config, 2**30, effective_batch=4, seq=32)
+
+
+def test_the_random_checkpoint_is_saved_once_for_every_process(config, tmp_path, monkeypatch):
+    """With COURSE_LIB_CHECKPOINTS set (gpu_check.sh sets it), a second process finds the checkpoint the
+    first one saved instead of writing it again."""
+    monkeypatch.setenv("COURSE_LIB_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(qlora, "_SAVED", {})
+    first = qlora._checkpoint_dir(config)
+    stamp = (first / "config.json").stat().st_mtime_ns
+    monkeypatch.setattr(qlora, "_SAVED", {})          # as in a fresh process
+    again = qlora._checkpoint_dir(config)
+    assert again == first and first.parent == tmp_path and (again / "config.json").stat().st_mtime_ns == stamp

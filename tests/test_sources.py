@@ -23,20 +23,6 @@ PACKAGE = sorted(p.relative_to(ROOT) for p in (ROOT / "course_lib").rglob("*")
                  if p.is_file() and p.suffix in (".py", ".json", ".md", ".txt"))
 DOCS = sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))
 
-# Known failures on this branch, fixed on the issue-11 (lesson 3) and issue-12 (lessons 4 and 5)
-# branches. The lead deletes this list after merging them.
-FIXED_ELSEWHERE = {
-    "cites FACTS.md": {"notebooks/04_paged_optimizers.ipynb",
-                       "notebooks/05_qlora_on_a_t4.ipynb", "course_lib/paging.py", "course_lib/offload.py"},
-    "unclean outputs": set(),
-}
-
-
-def known(paths, failure):
-    """Parametrize over paths; those listed in FIXED_ELSEWHERE[failure] are expected to fail for now."""
-    return [pytest.param(p, marks=pytest.mark.xfail(strict=False, reason="fixed on the issue-11/12 branches"))
-            if p.as_posix() in FIXED_ELSEWHERE[failure] else p for p in paths]
-
 
 def github_anchor(heading: str) -> str:
     """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
@@ -65,7 +51,7 @@ def test_references_exist_with_one_source_per_heading():
         assert len(block.split()) >= 15, "each source says what it is and which facts the course takes from it"
 
 
-@pytest.mark.parametrize("path", known(NOTEBOOKS + PACKAGE, "cites FACTS.md"), ids=str)
+@pytest.mark.parametrize("path", NOTEBOOKS + PACKAGE, ids=str)
 def test_no_learner_facing_file_names_the_internal_fact_sheet(path):
     text = (ROOT / path).read_text()
     lines = [line.strip()[:120] for line in text.splitlines() if "FACTS.md" in line]
@@ -153,7 +139,7 @@ def committed_output_problems(path: Path) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("path", known(NOTEBOOKS, "unclean outputs"), ids=str)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=str)
 def test_committed_outputs_are_clean(path):
     problems = committed_output_problems(ROOT / path)
     assert not problems, f"{path}: " + "; ".join(problems)

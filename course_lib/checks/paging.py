@@ -1,13 +1,18 @@
 """Checks for the exercises of lesson 4 (paged optimizers): the learner's eviction policies are
-compared with the simulator, `course_lib.paging`, on fixed and random chunk traces."""
+compared with the simulator, `course_lib.paging`, on fixed and random chunk traces; a trace where
+allocation order beats LRU, and a prediction of the step after a spike, are checked on the simulator."""
 
 from __future__ import annotations
 
+import inspect
 import random
+import types
 
+from course_lib import paging
 from course_lib.paging import MiB, chunk_migrations
 
-__all__ = ["check_migrated_bytes", "check_mru"]
+__all__ = ["check_allocation_order_wins", "check_migrated_bytes", "check_mru", "check_step3_prediction",
+           "spike_trace"]
 
 CHUNK = 2 * MiB
 
@@ -19,6 +24,34 @@ def _traces() -> list[tuple[list[int], int]]:
              ([0, 0, 0, 1, 1, 0], 1), ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 3)]
     randoms = [([rng.randrange(8) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 6)) for _ in range(60)]
     return fixed + randoms
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+_REFERENCES = {"simulate", "chunk_migrations", "chunk_trace", "spike_trace", "_step3_in"}
+
+
+def _refuse_reference(fn) -> None:
+    """An answer that only calls the simulator is not an answer: refuse a function that uses one of
+    the simulator's functions from `course_lib` (directly or as an attribute of a module it names)."""
+    scope = {**getattr(fn, "__globals__", {}), **dict(zip(fn.__code__.co_freevars,
+                                                           (c.cell_contents for c in fn.__closure__ or ())))}
+    names = _names(fn.__code__)
+    used = names & _REFERENCES
+    if not used:
+        return
+    for name in names:
+        obj = scope.get(name)
+        module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", "") or ""
+        if (inspect.ismodule(obj) or callable(obj)) and module.startswith("course_lib"):
+            raise AssertionError(f"your function calls {', '.join(sorted(used))} from course_lib, the simulator "
+                                 "it is checked against: work it out yourself (an OrderedDict is enough)")
 
 
 def _call(fn, accesses, capacity, policy):
@@ -53,6 +86,7 @@ def _compare(fn, policy: str) -> None:
 
 def check_migrated_bytes(migrated_bytes) -> None:
     """Exercise 4.1: `migrated_bytes(accesses, capacity, policy)` for "allocation" and "lru"."""
+    _refuse_reference(migrated_bytes)
     for policy in ("allocation", "lru"):
         _compare(migrated_bytes, policy)
     print(f"Correct: your allocation-order and LRU policies match the simulator on {len(_traces())} traces each.")
@@ -65,6 +99,7 @@ def check_migrated_bytes(migrated_bytes) -> None:
 
 def check_mru(migrated_bytes) -> None:
     """Exercise 4.2: the same function also handles "mru", and beats LRU on an optimizer's cycle."""
+    _refuse_reference(migrated_bytes)
     _compare(migrated_bytes, "mru")
     cycle = list(range(10)) * 4
     lru, mru = _call(migrated_bytes, cycle, 8, "lru"), _call(migrated_bytes, cycle, 8, "mru")
@@ -73,3 +108,63 @@ def check_mru(migrated_bytes) -> None:
         f"vs {lru[0]} bytes")
     print(f"Correct: on a 10-chunk cycle with room for 8, LRU migrates {lru[0] // MiB} MiB, MRU "
           f"{mru[0] // MiB} MiB.")
+
+
+def check_allocation_order_wins(trace_for) -> None:
+    """Exercise 4.3: `trace_for(capacity)` returns chunk accesses on which allocation order migrates
+    fewer bytes than LRU, for every capacity from 2 to 8 chunks."""
+    for capacity in range(2, 9):
+        accesses = trace_for(capacity)
+        assert accesses is not None, "trace_for returned None: return a list of chunk numbers"
+        accesses = [int(a) for a in accesses]
+        assert accesses and min(accesses) >= 0, "return a non-empty list of chunk numbers >= 0"
+        alloc_in, _ = chunk_migrations(accesses, capacity, "allocation")
+        lru_in, _ = chunk_migrations(accesses, capacity, "lru")
+        assert alloc_in < lru_in, (
+            f"capacity {capacity}: on {accesses[:20]}{'...' if len(accesses) > 20 else ''} allocation order migrates "
+            f"{alloc_in // MiB} MiB, LRU {lru_in // MiB} MiB. Hint: under LRU, using a resident chunk again protects "
+            "it; make the chunk that LRU then evicts instead be the one you need next")
+    print(f"Correct: for capacities 2 to 8, allocation order migrates less than LRU on your traces. On capacity 2: "
+          f"{trace_for(2)}: allocation {chunk_migrations(trace_for(2), 2, 'allocation')[0] // MiB} MiB, "
+          f"LRU {chunk_migrations(trace_for(2), 2, 'lru')[0] // MiB} MiB. The optimizer's cycle near the edge "
+          "is this case (lesson 4, the cliff): chunks used again are not the ones needed next.")
+
+
+def spike_trace(empty_cache_after_spike: bool) -> list:
+    """Exercise 4.4's world (lesson 4): a 32 MiB GPU; 8 MiB of ordinary weights; eight 2 MiB chunks of
+    paged state, prefetched in order 0..7 in every step; in step 2 a 16 MiB activation is allocated
+    and freed before the optimizer; optionally `torch.cuda.empty_cache()` at the end of step 2."""
+    events = [paging.alloc("weights", 8 * MiB)]
+    events += [paging.alloc(f"s{i}", 2 * MiB, managed=True) for i in range(8)]
+    for step in range(4):
+        if step == 2:
+            events += [paging.alloc("activation", 16 * MiB, step=step, phase="forward"),
+                       paging.free("activation", step=step, phase="backward")]
+        events += [paging.prefetch(f"s{i}", step=step, phase="optimizer") for i in range(8)]
+        if step == 2 and empty_cache_after_spike:
+            events.append(paging.empty_cache(step=step, phase="optimizer"))
+    return events
+
+
+def _step3_in(empty_cache_after_spike: bool) -> int:
+    result = paging.simulate(spike_trace(empty_cache_after_spike), paging.Hardware.t4().with_memory(32 * MiB))
+    return result.step_stats(3).h2d_bytes
+
+
+def check_step3_prediction(predict) -> None:
+    """Exercise 4.4: `predict()` returns {"with empty_cache": bytes, "without empty_cache": bytes}, the
+    bytes of paged state migrated back in step 3 of `spike_trace`."""
+    _refuse_reference(predict)
+    got = predict()
+    assert isinstance(got, dict) and set(got) == {"with empty_cache", "without empty_cache"}, (
+        'return a dict {"with empty_cache": bytes, "without empty_cache": bytes}')
+    want = {"with empty_cache": _step3_in(True), "without empty_cache": _step3_in(False)}
+    hints = {"with empty_cache": "after empty_cache the allocator holds only the weights: how many chunks were "
+                                 "left out at the end of step 2, and is there room for them now?",
+             "without empty_cache": "the allocator keeps the activation's 16 MiB reserved: the state has 8 MiB of "
+                                    "room for 16 MiB, and each prefetch evicts the chunk made resident longest ago"}
+    for key in want:
+        assert int(got[key]) == want[key], (
+            f"{key}: you predict {int(got[key]) // MiB} MiB migrated in step 3. Hint: {hints[key]}")
+    print(f"Correct: step 3 migrates {want['with empty_cache'] // MiB} MiB with empty_cache after the spike and "
+          f"{want['without empty_cache'] // MiB} MiB without: the allocator's reserve decides (lesson 4).")
