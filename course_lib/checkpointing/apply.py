@@ -59,6 +59,22 @@ def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
+def _positional(options: dict) -> list:
+    """`options` in the order of torch's private `_checkpoint_without_reentrant_generator(fn, ..., *args)`
+    (the frame torch.utils.checkpoint itself uses), whose extra positional arguments are the inputs:
+    read from its signature, so that a torch whose private order differs fails with one clear line."""
+    import inspect
+
+    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
+
+    names = [p.name for p in inspect.signature(_checkpoint_without_reentrant_generator).parameters.values()
+             if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+    if set(names) != set(options):
+        raise RuntimeError(f"apply_plan needs torch.utils.checkpoint's non-reentrant frame with {sorted(options)}; "
+                           f"this torch {torch.__version__} has {names}: use torch.utils.checkpoint per layer instead")
+    return [options[name] for name in names]
+
+
 class _OpenSegment:
     """One segment's frame while the forward runs through it, and the calls to replay."""
 
@@ -83,9 +99,9 @@ class _OpenSegment:
                 plan.replaying -= 1
             return out
 
-        # positional: (fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args)
-        self.frame = _checkpoint_without_reentrant_generator(replay, True, plan.context_fn or noop_context_fn,
-                                                             "default", False, True, hidden)
+        options = {"preserve_rng_state": True, "context_fn": plan.context_fn or noop_context_fn,
+                   "determinism_check": "default", "debug": False, "early_stop": True}
+        self.frame = _checkpoint_without_reentrant_generator(replay, *_positional(options), hidden)
         next(self.frame)
 
     def close(self) -> None:
