@@ -165,6 +165,11 @@ class Setup:
         if self.quant != "none" and self.lora_rank == 0:
             raise PlanError(f"--quant {self.quant} freezes the base model: train adapters with --lora-rank R "
                             "(QLoRA); a 4-bit base cannot be fine-tuned directly")
+        if self.lora_rank == 0 and self.lora_targets != "all-linear":
+            raise PlanError(f"lora_targets {self.lora_targets!r} without a LoRA rank: give lora_rank R > 0")
+        if self.adam_state is not None and self.optimizer not in ("adamw", "momentum", "adafactor"):
+            raise PlanError(f"adam_state applies to torch's adamw, momentum and adafactor, not {self.optimizer!r} "
+                            "(sgd keeps no state; bitsandbytes' optimizers choose their own)")
         if self.quant != "none" and self.precision.startswith("mixed"):
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
@@ -376,8 +381,10 @@ class _MetaTracer(TorchDispatchMode):
         self.current = 0
         self.grad_bytes = 0
         self.phase = "forward"
+        self.position: int | str = "pre"  # the decoder layer running ("pre"/"post": before/after them)
         self.peaks: dict[str, int] = {}
         self.peaks_without_grads: dict[str, int] = {}
+        self.position_peaks: dict[tuple[str, int | str], tuple[int, int]] = {}
         self.known: set[int] = set()
 
     def exclude(self, tensor: torch.Tensor) -> None:
@@ -405,9 +412,15 @@ class _MetaTracer(TorchDispatchMode):
         rest = self.current - self.grad_bytes
         if rest > self.peaks_without_grads.get(self.phase, 0):
             self.peaks_without_grads[self.phase] = rest
+        where = (self.phase, self.position)
+        old = self.position_peaks.get(where, (0, 0))
+        if self.current > old[0] or rest > old[1]:
+            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest))
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str, position: int | str | None = None) -> None:
         self.phase = phase
+        if position is not None:
+            self.position = position
         self._change(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -512,6 +525,9 @@ class Trace:
     output: int
     saved_outside: int
     dequant_transient: int = 0
+    # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
+    # course_lib.trace_compose needs to compose a deep model's trace from shallow ones
+    by_position: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
@@ -531,7 +547,9 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     """
     key = _trace_key(spec, setup, target)
     if key not in _TRACES:
-        _TRACES[key] = _trace(spec, setup, target)
+        from course_lib.trace_compose import composed_trace
+
+        _TRACES[key] = composed_trace(spec, setup, target, _trace) or _trace(spec, setup, target)
     return _TRACES[key]
 
 
@@ -551,10 +569,11 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
         targets = setup.lora_targets if setup.lora_targets == "all-linear" else list(setup.lora_targets)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
             warnings.simplefilter("ignore")
             model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
-                                                     target_modules=targets, lora_dropout=0.0))
+                                                     target_modules=targets, lora_dropout=0.0,
+                                                     init_lora_weights=False))  # values: none on meta
     return model
 
 
@@ -578,20 +597,24 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     def pre_hook(index):
         def hook(module, args, kwargs):
             current["layer"] = index
+            tracer.set_phase(tracer.phase, index)
             hidden = args[0] if args else kwargs.get("hidden_states")
             inputs[index] = hidden.untyped_storage().nbytes()
             if index == 0 and hidden.requires_grad:  # its gradient: the layers' backward is over
-                hidden.register_hook(lambda grad: tracer.set_phase("tail_backward"))
+                hidden.register_hook(lambda grad: tracer.set_phase("tail_backward", "pre"))
         return hook
 
     def post_hook(index):
         def hook(module, args, result):
             current["layer"] = None
+            hidden = result[0] if isinstance(result, (tuple, list)) else result
             if index == len(layers) - 1:
-                hidden = result[0] if isinstance(result, (tuple, list)) else result
+                tracer.set_phase(tracer.phase, "post")
                 output["bytes"] = hidden.untyped_storage().nbytes()
                 if hidden.requires_grad:
-                    hidden.register_hook(lambda grad: tracer.set_phase("layer_backward"))
+                    hidden.register_hook(lambda grad: tracer.set_phase("layer_backward", index))
+            elif hidden.requires_grad:  # its gradient: layer index's backward starts
+                hidden.register_hook(lambda grad: tracer.set_phase(tracer.phase, index))
         return hook
 
     handles = []
@@ -649,7 +672,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         layer_backward_peak_without_grads=rest.get("layer_backward", 0),
         tail_backward_peak_without_grads=rest.get("tail_backward", 0),
         gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
-        saved_outside=outside, dequant_transient=dequant)
+        saved_outside=outside, dequant_transient=dequant, by_position=dict(tracer.position_peaks))
 
 
 def korthikanti_bytes(batch: int, seq: int, hidden: int, heads: int, layers: int) -> int:
@@ -761,6 +784,9 @@ def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gp
     `gpu`: a catalog name; adds the CUDA context, a fit verdict and, when it does not fit, the
     tricks that make it fit.
     """
+    if setup is None and "precision" not in options:  # the GPU's precision, as `course-lib plan` picks it
+        options["precision"] = default_precision(get_gpu(gpu) if gpu is not None else None,
+                                                 options.get("quant", "none"))
     setup = (setup or Setup())
     if options:
         unknown = set(options) - set(Setup.__dataclass_fields__)
@@ -788,6 +814,7 @@ def _resolve(model) -> tuple[ModelSpec | None, int, str]:
 
 def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     spec, n_params, name = _resolve(model)
+    _check_setup_for(spec, name, setup)
     cuda = card is not None
     if setup.precision in ("bf16", "mixed-bf16") and card is not None and not card.bf16:
         raise PlanError(f"{card.name} (compute capability {card.compute_capability[0]}."
@@ -831,6 +858,29 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"effective batch {setup.batch * setup.accum} = micro-batch {setup.batch} x {setup.accum} "
                      "accumulation steps; gradients stay allocated during the micro-batches")
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
+
+
+SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention")
+
+
+def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> None:
+    """PlanError for a setup this model cannot have: options a bare count cannot use, a sequence
+    beyond the model's positions, a LoRA rank beyond every layer it adapts (lesson 1)."""
+    if spec is None:
+        used = [f"--{option}" for option in SHAPE_OPTIONS if getattr(setup, option) != getattr(Setup(), option)]
+        if used:
+            raise PlanError(f"{', '.join(used)} cannot change a plan from --params alone (no layer shapes, no "
+                            "activations): name a model or a config.json to use them")
+        return
+    positions = getattr(spec.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and setup.seq > positions:
+        raise PlanError(f"seq {setup.seq} is beyond {name}'s {positions} positions (max_position_embeddings): "
+                        "to plan a longer context, raise it in a saved config.json and give that path")
+    if setup.lora_rank:
+        widest = max((min(info.shape) for info in spec.params if _target_match(info, setup.lora_targets)), default=0)
+        if setup.lora_rank > widest > 0:
+            raise PlanError(f"lora rank {setup.lora_rank} is above the rank of every layer it adapts (at most "
+                            f"{widest}): a rank-r adapter costs r x (in + out) values per layer; use r <= {widest}")
 
 
 def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
@@ -933,13 +983,15 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
 
 def _parse_count(text: str) -> int:
     """'7e9', '7B', '1.5b', '124,439,808' -> a positive whole number of parameters."""
+    from decimal import Decimal, InvalidOperation
+
     cleaned = str(text).strip().replace(",", "").replace("_", "")
     scale = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}.get(cleaned[-1:].lower())
-    try:
-        value = float(cleaned[:-1]) * scale if scale else float(cleaned)
-    except ValueError:
+    try:  # decimal, not float: 1e30 is 10**30 exactly
+        value = Decimal(cleaned[:-1]) * scale if scale else Decimal(cleaned)
+    except InvalidOperation:
         raise PlanError(f"--params must be a number of parameters like 7e9 or 7B, got {text!r}") from None
-    if not math.isfinite(value) or value < 1 or value != int(value):
+    if not value.is_finite() or value < 1 or value != int(value):
         raise PlanError(f"--params must be a positive whole number of parameters, got {text!r}")
     return int(value)
 
@@ -958,6 +1010,7 @@ def plan_from_cli(model: str | None, *, params: str | None = None, precision: st
         raise PlanError("give a model (bundled name or config.json) or --params N, not both"
                         if model is not None else "give a model (e.g. llama-3.1-8b, or a config.json) or --params N")
     card = get_gpu(gpu) if gpu is not None else None
+    options = {key: value for key, value in options.items() if value is not None}
     precision = precision or default_precision(card, options.get("quant", "none"))
     try:
         target = _parse_count(params) if params is not None else model_spec(model)
