@@ -40,6 +40,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16")
 OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion")
 QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
+LOOPS = ("trainer", "keep-outputs")
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
               "overhead", "total")
 
@@ -133,6 +134,9 @@ class Setup:
     quant "nf4"/"nf4-dq" stores the frozen linear layers in 4 bits (QLoRA; needs lora_rank > 0).
     prepare_kbit: peft's prepare_model_for_kbit_training, which upcasts every non-quantized
     parameter to fp32.
+    loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
+    `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
+    backward and the step, and into the next forward until `outputs` is bound again.
     """
 
     precision: str = "mixed-bf16"
@@ -147,12 +151,14 @@ class Setup:
     checkpointing: str = "none"
     accum: int = 1
     attention: str = "sdpa"
+    loop: str = "trainer"
 
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
         for value, options, what in ((self.precision, PRECISIONS, "precision"),
                                      (self.optimizer, OPTIMIZERS, "optimizer"),
-                                     (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention")):
+                                     (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention"),
+                                     (self.loop, LOOPS, "loop")):
             if value not in options:
                 raise PlanError(f"unknown {what} {value!r}: use one of {', '.join(options)}")
         for value, what in ((self.batch, "batch"), (self.seq, "seq"), (self.accum, "accum")):
@@ -525,6 +531,7 @@ class Trace:
     output: int
     saved_outside: int
     dequant_transient: int = 0
+    kept_outputs: int = 0  # loop "keep-outputs": the outputs' bytes, alive from one forward to the next
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
     # course_lib.trace_compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
@@ -532,7 +539,7 @@ class Trace:
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets), setup.quant != "none",
-            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target)
+            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop)
 
 
 _TRACES: dict[tuple, Trace] = {}
@@ -547,9 +554,11 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     """
     key = _trace_key(spec, setup, target)
     if key not in _TRACES:
+        from course_lib.trace_cache import cached_trace
         from course_lib.trace_compose import composed_trace
 
-        _TRACES[key] = composed_trace(spec, setup, target, _trace) or _trace(spec, setup, target)
+        _TRACES[key] = cached_trace(key, lambda: composed_trace(spec, setup, target, _trace)
+                                    or _trace(spec, setup, target))
     return _TRACES[key]
 
 
@@ -640,7 +649,11 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         with warnings.catch_warnings(), _sdpa_as_on(target):
             warnings.simplefilter("ignore")
             with tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                outputs = model(input_ids=ids, labels=ids, use_cache=False)
+                loss = outputs.loss
+                kept = outputs.logits.untyped_storage().nbytes() if setup.loop == "keep-outputs" else 0
+                if setup.loop == "trainer":
+                    del outputs
                 tracer.set_phase("head_backward")
                 loss.backward()
                 del loss
@@ -672,7 +685,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         layer_backward_peak_without_grads=rest.get("layer_backward", 0),
         tail_backward_peak_without_grads=rest.get("tail_backward", 0),
         gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
-        saved_outside=outside, dequant_transient=dequant, by_position=dict(tracer.position_peaks))
+        saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, by_position=dict(tracer.position_peaks))
 
 
 def korthikanti_bytes(batch: int, seq: int, hidden: int, heads: int, layers: int) -> int:
@@ -814,7 +827,7 @@ def _resolve(model) -> tuple[ModelSpec | None, int, str]:
 
 def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     spec, n_params, name = _resolve(model)
-    _check_setup_for(spec, name, setup)
+    warned = _check_setup_for(spec, name, setup)
     cuda = card is not None
     if setup.precision in ("bf16", "mixed-bf16") and card is not None and not card.bf16:
         raise PlanError(f"{card.name} (compute capability {card.compute_capability[0]}."
@@ -827,7 +840,7 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
                             "pip install bitsandbytes") from None
     states = model_states(spec, setup, n_params, cuda=cuda)
     base = states.weights + states.optimizer_state + states.master_weights + states.quantization
-    notes: list[str] = []
+    notes: list[str] = warned
     detail: dict[str, int | float | str] = {}
     if spec is None:
         extra = 0
@@ -851,6 +864,10 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step; "
                      "fused=True (Trainer's adamw_torch_fused) avoids it")
+    if spec is not None:
+        notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
+                     "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
+                     "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")
     if setup.optimizer.startswith("paged"):
         notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
                      "(lesson 4), at a cost in time")
@@ -860,27 +877,29 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
 
 
-SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention")
+SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop")
 
 
-def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> None:
-    """PlanError for a setup this model cannot have: options a bare count cannot use, a sequence
-    beyond the model's positions, a LoRA rank beyond every layer it adapts (lesson 1)."""
+def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[str]:
+    """PlanError for a setup this model cannot have (options a bare count cannot use, a LoRA rank
+    beyond every layer it adapts); a warning for a sequence beyond the model's positions (lesson 1)."""
     if spec is None:
         used = [f"--{option}" for option in SHAPE_OPTIONS if getattr(setup, option) != getattr(Setup(), option)]
         if used:
             raise PlanError(f"{', '.join(used)} cannot change a plan from --params alone (no layer shapes, no "
                             "activations): name a model or a config.json to use them")
-        return
-    positions = getattr(spec.config, "max_position_embeddings", None)
-    if isinstance(positions, int) and setup.seq > positions:
-        raise PlanError(f"seq {setup.seq} is beyond {name}'s {positions} positions (max_position_embeddings): "
-                        "to plan a longer context, raise it in a saved config.json and give that path")
+        return []
     if setup.lora_rank:
         widest = max((min(info.shape) for info in spec.params if _target_match(info, setup.lora_targets)), default=0)
         if setup.lora_rank > widest > 0:
             raise PlanError(f"lora rank {setup.lora_rank} is above the rank of every layer it adapts (at most "
                             f"{widest}): a rank-r adapter costs r x (in + out) values per layer; use r <= {widest}")
+    positions = getattr(spec.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and setup.seq > positions:
+        return [f"WARNING: seq {setup.seq} is beyond {name}'s {positions} positions (max_position_embeddings): "
+                "the model as configured cannot train on it; this plans it as if it could (for a longer context, "
+                "raise max_position_embeddings in a saved config.json and give that path)"]
+    return []
 
 
 def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
@@ -906,8 +925,10 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         layers = trace.layer_backward_peak + peak_change
         tail = trace.tail_backward_peak  # after the layers' backward: none of their activations is left
     dequant = trace.dequant_transient
+    forward += trace.kept_outputs  # the previous step's outputs, until `outputs` is bound again
     step = grads + _optimizer_step_extra(setup.optimizer, states.trainable_shapes, states.state_itemsize,
                                          states.grad_itemsize, target == "cuda", setup.precision.startswith("mixed"))
+    step += trace.kept_outputs
     batch = 2 * setup.batch * setup.seq * 8  # the int64 input ids and labels, live for the whole step
     peak = max(forward + dequant, head + dequant, layers + dequant, tail, step) + batch
     config = spec.config

@@ -88,8 +88,8 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
     small, large = 3 * period, 4 * period
     a, b = trace(shallow_spec(spec, small), setup, target), trace(shallow_spec(spec, large), setup, target)
     saved, inputs = _periodic(a.saved, b.saved, period, n), _periodic(a.inputs, b.inputs, period, n)
-    if saved is None or inputs is None or (a.output, a.saved_outside, a.dequant_transient) != \
-            (b.output, b.saved_outside, b.dequant_transient):
+    if saved is None or inputs is None or (a.output, a.saved_outside, a.dequant_transient, a.kept_outputs) != \
+            (b.output, b.saved_outside, b.dequant_transient, b.kept_outputs):
         return None
     steps = (n - small) // period
     class_a, class_b = _by_class(a, small, period), _by_class(b, large, period)
@@ -113,4 +113,5 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
         layer_backward_peak_without_grads=peak("layer_backward", True),
         tail_backward_peak_without_grads=peak("tail_backward", True),
         gradients=a.gradients + (b.gradients - a.gradients) * steps, saved=saved, inputs=inputs,
-        output=a.output, saved_outside=a.saved_outside, dequant_transient=a.dequant_transient)
+        output=a.output, saved_outside=a.saved_outside, dequant_transient=a.dequant_transient,
+        kept_outputs=a.kept_outputs)

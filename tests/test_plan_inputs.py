@@ -30,7 +30,15 @@ def config_file(tmp_path, **fields):
 
 @pytest.mark.parametrize("argv, message", [
     (["gpt2", "--seq", "4096"], "beyond gpt2's 1024 positions (max_position_embeddings)"),
-    (["llama-2-7b", "--seq", "1000000"], "beyond llama-2-7b's 4096 positions"),
+    (["llama-2-7b", "--seq", "1000000", "--json"], "beyond llama-2-7b's 4096 positions"),
+])
+def test_a_sequence_beyond_the_positions_is_a_clear_warning(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert message in out and "WARNING" in out
+
+
+@pytest.mark.parametrize("argv, message", [
     (["gpt2", "--lora-rank", "100000000"], "lora rank 100000000 is above the rank of every layer"),
     (["--params", "7e9", "--checkpointing", "every-layer"], "--checkpointing cannot change a plan from --params"),
     (["--params", "7e9", "--batch", "4", "--seq", "2048"], "--batch, --seq cannot change"),
@@ -39,10 +47,10 @@ def test_impossible_setups_are_one_line(capsys, argv, message):
     assert message in refused(capsys, *argv)
 
 
-def test_the_last_position_is_still_planned(capsys):
+def test_the_last_position_is_planned_without_a_warning(capsys):
     code, out, err = run(capsys, "gpt2", "--seq", "1024", "--json")
     assert code == 0, err
-    assert json.loads(out)["setup"]["seq"] == 1024
+    assert not any("WARNING" in note for note in json.loads(out)["notes"])
 
 
 def test_sizes_are_parsed_exactly(capsys):

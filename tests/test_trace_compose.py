@@ -12,9 +12,9 @@ from course_lib import memory
 from course_lib.models import bundled_models, model_spec
 from course_lib.trace_compose import composed_trace, layer_period, shallow_spec
 
-SETUPS = [  # (setup, target): full fine-tune, LoRA with eager attention, QLoRA with prepared base
+SETUPS = [  # (setup, target): full fine-tune; LoRA, eager attention, outputs kept; QLoRA, prepared base
     (memory.Setup(precision="mixed-bf16", batch=2, seq=64), "cpu"),
-    (memory.Setup(precision="fp16", lora_rank=8, batch=1, seq=48, attention="eager"), "cuda"),
+    (memory.Setup(precision="fp16", lora_rank=8, batch=1, seq=48, attention="eager", loop="keep-outputs"), "cuda"),
     (memory.Setup(precision="bf16", lora_rank=4, quant="nf4", prepare_kbit=True, batch=3, seq=32), "cuda"),
 ]
 
@@ -52,5 +52,17 @@ def test_the_planner_uses_the_fast_path_for_a_deep_model(monkeypatch):
     monkeypatch.setattr(memory, "_trace", lambda spec, setup, target: depths.append(spec.n_layers)
                         or real(spec, setup, target))
     monkeypatch.setattr(memory, "_TRACES", {})
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
     memory.plan("llama-2-70b", seq=32)
     assert depths == [3, 4]  # never the 80 layers
+
+
+def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(memory, "_TRACES", {})
+    setup = memory.Setup(lora_rank=4, seq=32)
+    first = memory.plan("llama-3.2-1b", setup)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(memory, "_TRACES", {})
+    monkeypatch.setattr(memory, "_trace", lambda *args: pytest.fail("traced again"))
+    assert memory.plan("llama-3.2-1b", setup).bytes == first.bytes
