@@ -288,16 +288,22 @@ def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec
 
 @lru_cache(maxsize=64)
 def _cached_spec(key: str) -> ModelSpec:
+    from course_lib.trace_cache import cached_params
+
     config = load_config(key)
     _check_causal_lm(config, key)
-    try:
-        model = build_model(config)
-    except Exception as error:  # e.g. an encoder-decoder config: not a causal LM transformers can build
-        first = " ".join(str(error).split())[:300]
-        raise ModelNotFound(f"cannot build a causal language model from {key}: {type(error).__name__}: {first}") \
-            from None
     name = key if key in bundled_models() else Path(key).parent.name if key.endswith("config.json") else Path(key).stem
-    return spec_from_model(model, name, config)
+
+    def build() -> tuple[ParamInfo, ...]:
+        try:
+            model = build_model(config)
+        except Exception as error:  # e.g. an encoder-decoder config: not a causal LM transformers can build
+            first = " ".join(str(error).split())[:300]
+            raise ModelNotFound(f"cannot build a causal language model from {key}: {type(error).__name__}: "
+                                f"{first}") from None
+        return spec_from_model(model, name, config).params
+
+    return ModelSpec(name, config, cached_params(config.to_json_string(use_diff=False), build))
 
 
 def model_spec(name_or_path: str | Path) -> ModelSpec:

@@ -1,10 +1,11 @@
-"""Traces kept on disk between runs of `course-lib plan` (lesson 1, "the planner").
+"""Traces and parameter lists kept on disk between runs of `course-lib plan` (lesson 1, "the planner").
 
 A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
-and the tracer's own code: all of them are in the key (`memory._trace_key`, the torch,
-transformers and peft versions, a digest of the planner's sources), so a changed library or planner
-never reads an old trace. A second `course-lib plan` of a setup it traced before (each trick of
-"what makes it fit" is one) neither imports peft nor traces. `COURSE_LIB_CACHE_DIR` moves the cache
+and the tracer's own code; a parameter list only on the config and the libraries. All of them are
+in the key (`memory._trace_key` or the config's JSON, the torch, transformers and peft versions, a
+digest of the planner's sources), so a changed library or planner never reads an old entry. A
+second `course-lib plan` of a setup it planned before (each trick of "what makes it fit" is one)
+neither builds the model, nor imports peft, nor traces. `COURSE_LIB_CACHE_DIR` moves the cache
 (default `~/.cache/course-lib/traces`); set it empty to switch it off.
 """
 
@@ -44,26 +45,39 @@ def _fingerprint() -> str:
     return digest.hexdigest()
 
 
-def cached_trace(key: tuple, make: Callable):
-    """The trace for `key` from disk, or `make()` stored for next time (a Trace)."""
-    from course_lib.memory import Trace
-
+def _cached(kind: str, key: str, make: Callable, to_json: Callable, from_json: Callable):
     folder = cache_dir()
     if folder is None:
         return make()
-    path = folder / (hashlib.sha256((_fingerprint() + repr(key)).encode()).hexdigest() + ".json")
+    path = folder / f"{kind}-{hashlib.sha256((_fingerprint() + key).encode()).hexdigest()}.json"
     try:
-        data = json.loads(path.read_text())
-        return Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        return from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    trace = make()
-    names = [f.name for f in fields(trace) if f.name != "by_position"]
+    value = make()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({name: asdict(trace)[name] for name in names}))
+        partial.write_text(json.dumps(to_json(value)))
         os.replace(partial, path)
     except OSError:
         pass  # a read-only home: plan without the cache
-    return trace
+    return value
+
+
+def cached_trace(key: tuple, make: Callable):
+    """The trace (memory.Trace) for `key` from disk, or `make()` stored for next time."""
+    from course_lib.memory import Trace
+
+    names = [f.name for f in fields(Trace) if f.name != "by_position"]
+    return _cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
+                   lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
+
+
+def cached_params(config_json: str, make: Callable) -> tuple:
+    """The parameter list (models.ParamInfo) of a config from disk, or `make()` stored for next time."""
+    from course_lib.models import ParamInfo
+
+    return _cached("params", config_json, make, lambda params: [asdict(p) for p in params],
+                   lambda data: tuple(ParamInfo(p["name"], tuple(p["shape"]), p["module"], p["is_lm_head"])
+                                      for p in data))

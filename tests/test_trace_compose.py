@@ -66,3 +66,16 @@ def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
     monkeypatch.setattr(memory, "_TRACES", {})
     monkeypatch.setattr(memory, "_trace", lambda *args: pytest.fail("traced again"))
     assert memory.plan("llama-3.2-1b", setup).bytes == first.bytes
+
+
+def test_a_parameter_list_kept_on_disk_is_the_parameter_list(monkeypatch, tmp_path):
+    from course_lib import models
+
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
+    models._cached_spec.cache_clear()
+    first = models.model_spec("qwen2.5-0.5b")
+    models._cached_spec.cache_clear()
+    monkeypatch.setattr(models, "build_model", lambda *args, **kwargs: pytest.fail("built again"))
+    again = models.model_spec("qwen2.5-0.5b")
+    models._cached_spec.cache_clear()
+    assert again.params == first.params and again.n_params == models.PUBLISHED_PARAMETERS["qwen2.5-0.5b"]
