@@ -8,9 +8,10 @@ counters, bitsandbytes' blockwise 8-bit state with its small-tensor fallback, Ad
 second moment, NF4's packed weights and block statistics.
 
 Activations are not a formula. The planner runs one real training step of the Hugging Face
-implementation on the meta device at the target size (shapes only, no memory, about a second for an
-8B model) and records every tensor it creates and frees: what each decoder layer saves for
-backward, the logits and loss buffers, the gradients as they appear. Korthikanti et al.'s formula is
+implementation on the meta device at the target size (shapes only, no memory) and records every
+tensor it creates and frees: what each decoder layer saves for backward, the logits and loss
+buffers, the gradients as they appear. A deep model is traced as two shallow copies of itself and
+composed exactly (`course_lib.trace_compose`); traces are kept on disk (`course_lib.trace_cache`). Korthikanti et al.'s formula is
 reported beside it. Checkpointing plans go through lesson 3's cost model
 (`course_lib.checkpointing.plan_cost`), fed with the per-layer bytes of that trace, so the planner and
 lesson 3 share one source of truth. `benchmarks/planner_accuracy.py` checks the predictions against
@@ -795,7 +796,8 @@ def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gp
     `model`: a bundled name ('llama-3.1-8b'), a config.json path, a ModelSpec, or a parameter count
     (then activations are unknown and counted as 0). `setup` or keyword options (see Setup).
     `gpu`: a catalog name; adds the CUDA context, a fit verdict and, when it does not fit, the
-    tricks that make it fit.
+    tricks that make it fit. Without a setup or a precision, the precision is the GPU's, as
+    `course-lib plan` picks it (mixed-fp16 on a T4).
     """
     if setup is None and "precision" not in options:  # the GPU's precision, as `course-lib plan` picks it
         options["precision"] = default_precision(get_gpu(gpu) if gpu is not None else None,
