@@ -75,7 +75,7 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
                                lora_rank=args.lora_rank, quant=args.quant, batch=args.batch, seq=args.seq,
                                checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
-                               gpu=args.gpu)
+                               loop=args.loop, gpu=args.gpu)
     except PlanError as error:
         raise UserError(str(error)) from None
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
@@ -125,12 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
                       "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
     plan.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R")
     plan.add_argument("--quant", default="none", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA)")
-    plan.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
-    plan.add_argument("--seq", type=int, default=512, help="sequence length in tokens (default 512)")
-    plan.add_argument("--checkpointing", default="none", metavar="PLAN",
-                      help="none, every-layer, sqrt, every-K (e.g. every-2) or hf-every-K (Hugging Face's every_n_layers=K)")
-    plan.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    plan.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel")
+    # no argparse defaults for what --params cannot use: the planner tells given options from defaults
+    plan.add_argument("--batch", type=int, help="micro-batch size (default 1)")
+    plan.add_argument("--seq", type=int, help="sequence length in tokens (default 512)")
+    plan.add_argument("--checkpointing", metavar="PLAN",
+                      help="none (default), every-layer, sqrt, every-K (e.g. every-2) or hf-every-K "
+                           "(Hugging Face's every_n_layers=K)")
+    plan.add_argument("--accum", type=int, help="gradient accumulation steps (default 1)")
+    plan.add_argument("--attention", choices=("sdpa", "eager"), help="attention kernel (default sdpa)")
+    plan.add_argument("--loop", choices=("trainer", "keep-outputs"),
+                      help="trainer (default): only the loss is kept; keep-outputs: `outputs = model(**batch)` "
+                           "keeps the logits alive through backward")
     plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
                                     "h200, rtx3090, rtx4090")
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")

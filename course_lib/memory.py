@@ -8,9 +8,10 @@ counters, bitsandbytes' blockwise 8-bit state with its small-tensor fallback, Ad
 second moment, NF4's packed weights and block statistics.
 
 Activations are not a formula. The planner runs one real training step of the Hugging Face
-implementation on the meta device at the target size (shapes only, no memory, about a second for an
-8B model) and records every tensor it creates and frees: what each decoder layer saves for
-backward, the logits and loss buffers, the gradients as they appear. Korthikanti et al.'s formula is
+implementation on the meta device at the target size (shapes only, no memory) and records every
+tensor it creates and frees: what each decoder layer saves for backward, the logits and loss
+buffers, the gradients as they appear. A deep model is traced as two shallow copies of itself and
+composed exactly (`course_lib.trace_compose`); traces are kept on disk (`course_lib.trace_cache`). Korthikanti et al.'s formula is
 reported beside it. Checkpointing plans go through lesson 3's cost model
 (`course_lib.checkpointing.plan_cost`), fed with the per-layer bytes of that trace, so the planner and
 lesson 3 share one source of truth. `benchmarks/planner_accuracy.py` checks the predictions against
@@ -40,6 +41,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16")
 OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion")
 QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
+LOOPS = ("trainer", "keep-outputs")
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
               "optimizer_temporaries", "overhead", "total")
 
@@ -133,6 +135,9 @@ class Setup:
     quant "nf4"/"nf4-dq" stores the frozen linear layers in 4 bits (QLoRA; needs lora_rank > 0).
     prepare_kbit: peft's prepare_model_for_kbit_training, which upcasts every non-quantized
     parameter to fp32.
+    loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
+    `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
+    backward and the step, and into the next forward until `outputs` is bound again.
     """
 
     precision: str = "mixed-bf16"
@@ -147,12 +152,14 @@ class Setup:
     checkpointing: str = "none"
     accum: int = 1
     attention: str = "sdpa"
+    loop: str = "trainer"
 
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
         for value, options, what in ((self.precision, PRECISIONS, "precision"),
                                      (self.optimizer, OPTIMIZERS, "optimizer"),
-                                     (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention")):
+                                     (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention"),
+                                     (self.loop, LOOPS, "loop")):
             if value not in options:
                 raise PlanError(f"unknown {what} {value!r}: use one of {', '.join(options)}")
         for value, what in ((self.batch, "batch"), (self.seq, "seq"), (self.accum, "accum")):
@@ -165,6 +172,11 @@ class Setup:
         if self.quant != "none" and self.lora_rank == 0:
             raise PlanError(f"--quant {self.quant} freezes the base model: train adapters with --lora-rank R "
                             "(QLoRA); a 4-bit base cannot be fine-tuned directly")
+        if self.lora_rank == 0 and self.lora_targets != "all-linear":
+            raise PlanError(f"lora_targets {self.lora_targets!r} without a LoRA rank: give lora_rank R > 0")
+        if self.adam_state is not None and self.optimizer not in ("adamw", "momentum", "adafactor"):
+            raise PlanError(f"adam_state applies to torch's adamw, momentum and adafactor, not {self.optimizer!r} "
+                            "(sgd keeps no state; bitsandbytes' optimizers choose their own)")
         if self.quant != "none" and self.precision.startswith("mixed"):
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
@@ -376,8 +388,10 @@ class _MetaTracer(TorchDispatchMode):
         self.current = 0
         self.grad_bytes = 0
         self.phase = "forward"
+        self.position: int | str = "pre"  # the decoder layer running ("pre"/"post": before/after them)
         self.peaks: dict[str, int] = {}
         self.peaks_without_grads: dict[str, int] = {}
+        self.position_peaks: dict[tuple[str, int | str], tuple[int, int]] = {}
         self.known: set[int] = set()
 
     def exclude(self, tensor: torch.Tensor) -> None:
@@ -405,9 +419,15 @@ class _MetaTracer(TorchDispatchMode):
         rest = self.current - self.grad_bytes
         if rest > self.peaks_without_grads.get(self.phase, 0):
             self.peaks_without_grads[self.phase] = rest
+        where = (self.phase, self.position)
+        old = self.position_peaks.get(where, (0, 0))
+        if self.current > old[0] or rest > old[1]:
+            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest))
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str, position: int | str | None = None) -> None:
         self.phase = phase
+        if position is not None:
+            self.position = position
         self._change(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -512,11 +532,15 @@ class Trace:
     output: int
     saved_outside: int
     dequant_transient: int = 0
+    kept_outputs: int = 0  # loop "keep-outputs": the outputs' bytes, alive from one forward to the next
+    # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
+    # course_lib.trace_compose needs to compose a deep model's trace from shallow ones
+    by_position: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets), setup.quant != "none",
-            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target)
+            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop)
 
 
 _TRACES: dict[tuple, Trace] = {}
@@ -531,7 +555,11 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     """
     key = _trace_key(spec, setup, target)
     if key not in _TRACES:
-        _TRACES[key] = _trace(spec, setup, target)
+        from course_lib.trace_cache import cached_trace
+        from course_lib.trace_compose import composed_trace
+
+        _TRACES[key] = cached_trace(key, lambda: composed_trace(spec, setup, target, _trace)
+                                    or _trace(spec, setup, target))
     return _TRACES[key]
 
 
@@ -551,10 +579,11 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
         targets = setup.lora_targets if setup.lora_targets == "all-linear" else list(setup.lora_targets)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
             warnings.simplefilter("ignore")
             model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
-                                                     target_modules=targets, lora_dropout=0.0))
+                                                     target_modules=targets, lora_dropout=0.0,
+                                                     init_lora_weights=False))  # values: none on meta
     return model
 
 
@@ -578,20 +607,24 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     def pre_hook(index):
         def hook(module, args, kwargs):
             current["layer"] = index
+            tracer.set_phase(tracer.phase, index)
             hidden = args[0] if args else kwargs.get("hidden_states")
             inputs[index] = hidden.untyped_storage().nbytes()
             if index == 0 and hidden.requires_grad:  # its gradient: the layers' backward is over
-                hidden.register_hook(lambda grad: tracer.set_phase("tail_backward"))
+                hidden.register_hook(lambda grad: tracer.set_phase("tail_backward", "pre"))
         return hook
 
     def post_hook(index):
         def hook(module, args, result):
             current["layer"] = None
+            hidden = result[0] if isinstance(result, (tuple, list)) else result
             if index == len(layers) - 1:
-                hidden = result[0] if isinstance(result, (tuple, list)) else result
+                tracer.set_phase(tracer.phase, "post")
                 output["bytes"] = hidden.untyped_storage().nbytes()
                 if hidden.requires_grad:
-                    hidden.register_hook(lambda grad: tracer.set_phase("layer_backward"))
+                    hidden.register_hook(lambda grad: tracer.set_phase("layer_backward", index))
+            elif hidden.requires_grad:  # its gradient: layer index's backward starts
+                hidden.register_hook(lambda grad: tracer.set_phase(tracer.phase, index))
         return hook
 
     handles = []
@@ -617,7 +650,11 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         with warnings.catch_warnings(), _sdpa_as_on(target):
             warnings.simplefilter("ignore")
             with tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                outputs = model(input_ids=ids, labels=ids, use_cache=False)
+                loss = outputs.loss
+                kept = outputs.logits.untyped_storage().nbytes() if setup.loop == "keep-outputs" else 0
+                if setup.loop == "trainer":
+                    del outputs
                 tracer.set_phase("head_backward")
                 loss.backward()
                 del loss
@@ -649,7 +686,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         layer_backward_peak_without_grads=rest.get("layer_backward", 0),
         tail_backward_peak_without_grads=rest.get("tail_backward", 0),
         gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
-        saved_outside=outside, dequant_transient=dequant)
+        saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, by_position=dict(tracer.position_peaks))
 
 
 def korthikanti_bytes(batch: int, seq: int, hidden: int, heads: int, layers: int) -> int:
@@ -759,8 +796,12 @@ def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gp
     `model`: a bundled name ('llama-3.1-8b'), a config.json path, a ModelSpec, or a parameter count
     (then activations are unknown and counted as 0). `setup` or keyword options (see Setup).
     `gpu`: a catalog name; adds the CUDA context, a fit verdict and, when it does not fit, the
-    tricks that make it fit.
+    tricks that make it fit. Without a setup or a precision, the precision is the GPU's, as
+    `course-lib plan` picks it (mixed-fp16 on a T4).
     """
+    if setup is None and "precision" not in options:  # the GPU's precision, as `course-lib plan` picks it
+        options["precision"] = default_precision(get_gpu(gpu) if gpu is not None else None,
+                                                 options.get("quant", "none"))
     setup = (setup or Setup())
     if options:
         unknown = set(options) - set(Setup.__dataclass_fields__)
@@ -788,6 +829,7 @@ def _resolve(model) -> tuple[ModelSpec | None, int, str]:
 
 def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     spec, n_params, name = _resolve(model)
+    warned = _check_setup_for(spec, name, setup)
     cuda = card is not None
     if setup.precision in ("bf16", "mixed-bf16") and card is not None and not card.bf16:
         raise PlanError(f"{card.name} (compute capability {card.compute_capability[0]}."
@@ -800,7 +842,7 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
                             "pip install bitsandbytes") from None
     states = model_states(spec, setup, n_params, cuda=cuda)
     base = states.weights + states.optimizer_state + states.master_weights + states.quantization
-    notes: list[str] = []
+    notes: list[str] = warned
     detail: dict[str, int | float | str] = {}
     temporaries = 0
     if spec is None:
@@ -835,6 +877,10 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
                      f"(optimizer_temporaries: what it adds over the activations' peak); "
                      "fused=True (Trainer's adamw_torch_fused) avoids it")
+    if spec is not None:
+        notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
+                     "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
+                     "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")
     if setup.optimizer.startswith("paged"):
         notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
                      "(lesson 4), at a cost in time")
@@ -842,6 +888,31 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"effective batch {setup.batch * setup.accum} = micro-batch {setup.batch} x {setup.accum} "
                      "accumulation steps; gradients stay allocated during the micro-batches")
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
+
+
+SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop")
+
+
+def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[str]:
+    """PlanError for a setup this model cannot have (options a bare count cannot use, a LoRA rank
+    beyond every layer it adapts); a warning for a sequence beyond the model's positions (lesson 1)."""
+    if spec is None:
+        used = [f"--{option}" for option in SHAPE_OPTIONS if getattr(setup, option) != getattr(Setup(), option)]
+        if used:
+            raise PlanError(f"{', '.join(used)} cannot change a plan from --params alone (no layer shapes, no "
+                            "activations): name a model or a config.json to use them")
+        return []
+    if setup.lora_rank:
+        widest = max((min(info.shape) for info in spec.params if _target_match(info, setup.lora_targets)), default=0)
+        if setup.lora_rank > widest > 0:
+            raise PlanError(f"lora rank {setup.lora_rank} is above the rank of every layer it adapts (at most "
+                            f"{widest}): a rank-r adapter costs r x (in + out) values per layer; use r <= {widest}")
+    positions = getattr(spec.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and setup.seq > positions:
+        return [f"WARNING: seq {setup.seq} is beyond {name}'s {positions} positions (max_position_embeddings): "
+                "the model as configured cannot train on it; this plans it as if it could (for a longer context, "
+                "raise max_position_embeddings in a saved config.json and give that path)"]
+    return []
 
 
 def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
@@ -868,8 +939,10 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         tail = trace.tail_backward_peak  # after the layers' backward: none of their activations is left
     dequant = trace.dequant_transient
     copies = _autocast_copies(spec, setup)
+    forward += trace.kept_outputs  # the previous step's outputs, until `outputs` is bound again
     step = grads + _optimizer_step_extra(setup.optimizer, states.trainable_shapes, states.state_itemsize,
                                          states.grad_itemsize, target == "cuda", setup.precision.startswith("mixed"))
+    step += trace.kept_outputs
     batch = 2 * setup.batch * setup.seq * 8  # the int64 input ids and labels, live for the whole step
     activation_peak = max(forward + dequant + copies, head + dequant + copies, layers + dequant, tail) + batch
     peak = max(activation_peak, step + batch)
@@ -962,13 +1035,15 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
 
 def _parse_count(text: str) -> int:
     """'7e9', '7B', '1.5b', '124,439,808' -> a positive whole number of parameters."""
+    from decimal import Decimal, InvalidOperation
+
     cleaned = str(text).strip().replace(",", "").replace("_", "")
     scale = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}.get(cleaned[-1:].lower())
-    try:
-        value = float(cleaned[:-1]) * scale if scale else float(cleaned)
-    except ValueError:
+    try:  # decimal, not float: 1e30 is 10**30 exactly
+        value = Decimal(cleaned[:-1]) * scale if scale else Decimal(cleaned)
+    except InvalidOperation:
         raise PlanError(f"--params must be a number of parameters like 7e9 or 7B, got {text!r}") from None
-    if not math.isfinite(value) or value < 1 or value != int(value):
+    if not value.is_finite() or value < 1 or value != int(value):
         raise PlanError(f"--params must be a positive whole number of parameters, got {text!r}")
     return int(value)
 
@@ -987,6 +1062,7 @@ def plan_from_cli(model: str | None, *, params: str | None = None, precision: st
         raise PlanError("give a model (bundled name or config.json) or --params N, not both"
                         if model is not None else "give a model (e.g. llama-3.1-8b, or a config.json) or --params N")
     card = get_gpu(gpu) if gpu is not None else None
+    options = {key: value for key, value in options.items() if value is not None}
     precision = precision or default_precision(card, options.get("quant", "none"))
     try:
         target = _parse_count(params) if params is not None else model_spec(model)

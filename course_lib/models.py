@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -87,6 +88,8 @@ def load_config(name_or_path: str | Path):
     path = Path(text).expanduser()
     if key in bundled_models():
         data = _read_json(CONFIG_DIR / f"{key}.json")
+    elif not path.exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not text.endswith(".json"):
+        return _hub_config(text)
     elif path.exists() or text.endswith(".json") or "/" in text or "\\" in text:
         if path.is_dir():
             path = path / "config.json"
@@ -103,12 +106,86 @@ def load_config(name_or_path: str | Path):
         raise ModelNotFound(f"{path if path.suffix == '.json' else text}: config has no \"model_type\" string, "
                             "so the architecture is unknown")
     fields = {k: v for k, v in data.items() if k != "model_type"}
+    _check_sizes_given(text if key in bundled_models() else str(path), model_type, fields)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError, KeyError) as error:
+    except Exception as error:  # ValueError, or huggingface_hub's StrictDataclassError naming the field
         raise ModelNotFound(f"cannot build a {model_type!r} config: {' '.join(str(error).split())[:300]}") from None
+
+
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _check_sizes_given(source: str, model_type: str, fields: dict) -> None:
+    """A config must give the model's own sizes: transformers would fill in the defaults of its
+    class (for "llama", Llama-2-7B's), and the plan would be another model's (lesson 1)."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return  # AutoConfig.for_model says it is unknown
+    config_class = CONFIG_MAPPING[model_type]
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+    defaults = config_class()
+    missing = [name for name in SIZE_FIELDS
+               if hasattr(defaults, name) and name not in fields and aliases.get(name) not in fields]
+    if missing:
+        raise ModelNotFound(f"{source}: the config has no {', '.join(missing)}; transformers would use "
+                            f"{config_class.__name__}'s defaults (another model's sizes): "
+                            "give this model's own values")
+
+
+def _hub_config(hub_id: str):
+    """A config from the Hugging Face Hub (AutoConfig.from_pretrained: config.json only, no weights),
+    or ModelNotFound saying how to pass a saved config.json when the Hub cannot be reached."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    offline = constants.is_offline_mode() or not _hub_reachable(constants.ENDPOINT)
+    try:  # offline: the local Hugging Face cache only (no retries)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoConfig.from_pretrained(hub_id, local_files_only=offline)
+    except Exception as error:  # offline and not cached, gated, no such repository, remote code
+        save = f"save its config.json (https://huggingface.co/{hub_id}/blob/main/config.json) and give its path"
+        if offline:
+            raise ModelNotFound(f"{hub_id!r} is no local path and the Hugging Face Hub cannot be reached "
+                                f"(nor is it in the local cache): {save}") from None
+        reason = " ".join(str(error).split())[:200]
+        raise ModelNotFound(f"cannot load {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: "
+                            f"{reason}); or {save}") from None
+
+
+def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether the Hub's host answers a TCP connection within `timeout` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _check_causal_lm(config, source: str) -> None:
+    """The planner traces decoder-only causal LMs; other architectures get one line (lesson 1)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        kind = "an encoder-decoder model"
+    elif model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        kind = "an encoder (masked language model)"
+    elif model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        kind = "not a causal language model"
+    else:
+        return
+    raise ModelNotFound(f"{source}: {model_type!r} is {kind}; the planner covers decoder-only causal language "
+                        "models (GPT-2, Llama, Mistral, Qwen2, Phi-3, Gemma-2, ...): plan it with --params N")
 
 
 def _read_json(path: Path) -> dict:
@@ -233,15 +310,22 @@ def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec
 
 @lru_cache(maxsize=64)
 def _cached_spec(key: str) -> ModelSpec:
+    from course_lib.trace_cache import cached_params
+
     config = load_config(key)
-    try:
-        model = build_model(config)
-    except Exception as error:  # e.g. an encoder-decoder config: not a causal LM transformers can build
-        first = " ".join(str(error).split())[:300]
-        raise ModelNotFound(f"cannot build a causal language model from {key}: {type(error).__name__}: {first}") \
-            from None
+    _check_causal_lm(config, key)
     name = key if key in bundled_models() else Path(key).parent.name if key.endswith("config.json") else Path(key).stem
-    return spec_from_model(model, name, config)
+
+    def build() -> tuple[ParamInfo, ...]:
+        try:
+            model = build_model(config)
+        except Exception as error:  # e.g. an encoder-decoder config: not a causal LM transformers can build
+            first = " ".join(str(error).split())[:300]
+            raise ModelNotFound(f"cannot build a causal language model from {key}: {type(error).__name__}: "
+                                f"{first}") from None
+        return spec_from_model(model, name, config).params
+
+    return ModelSpec(name, config, cached_params(config.to_json_string(use_diff=False), build))
 
 
 def model_spec(name_or_path: str | Path) -> ModelSpec:

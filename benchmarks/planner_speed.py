@@ -1,0 +1,90 @@
+"""How fast is the planner? Every bundled model x recipe: an uncached `plan()`, a cached one, and
+`course-lib plan ... --gpu t4` end to end (with "what makes it fit"), cold (an empty trace cache on
+disk) and warm (run again), beside the `--params` floor (the same command with only a parameter
+count: Python, torch and the CLI starting up). Lesson 1.
+
+    .venv/bin/python benchmarks/planner_speed.py            # every bundled model, about 5 minutes
+    .venv/bin/python benchmarks/planner_speed.py --quick    # three models
+
+Goals (issue 15): uncached plan() < 1 s, cached < 50 ms, the CLI within 2x the floor (checked on
+the warm CLI; the cold one is printed beside it). Exits 1 when one is missed. Timings are
+wall-clock on this machine: run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from course_lib import memory
+from course_lib.models import bundled_models
+
+RECIPES = {  # name: (plan() options, CLI flags); precision fits the T4 (no bf16)
+    "full": (dict(precision="mixed-fp16"), []),
+    "lora": (dict(precision="fp16", lora_rank=16), ["--precision", "fp16", "--lora-rank", "16"]),
+    "qlora": (dict(precision="fp16", lora_rank=16, quant="nf4-dq"), ["--lora-rank", "16", "--quant", "nf4-dq"]),
+}
+SIZE = dict(batch=2, seq=1024)
+GOALS = {"uncached_s": 1.0, "cached_s": 0.05, "cli_ratio": 2.0}
+CLI = [sys.executable, "-m", "course_lib.cli"]  # the `course-lib` command of this Python
+
+
+def _cli_seconds(*argv: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([*CLI, "plan", *argv], check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def _extra(model: str) -> tuple[dict, list[str]]:
+    # Gemma-2's implementation refuses SDPA in transformers 5: plan its eager attention
+    return (dict(attention="eager"), ["--attention", "eager"]) if model.startswith("gemma-2") else ({}, [])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="gpt2, llama-3.1-8b and llama-2-70b only")
+    args = parser.parse_args()
+    models = ["gpt2", "llama-3.1-8b", "llama-2-70b"] if args.quick else bundled_models()
+    os.environ["COURSE_LIB_CACHE_DIR"] = ""  # plan() in this process: no trace from disk
+    memory.plan("gpt2", lora_rank=4, seq=8)  # imports (torch, transformers, peft) are the floor's, not plan()'s
+    floor = min(_cli_seconds("--params", "7e9", "--gpu", "t4") for _ in range(3))
+    print(f"--params floor (course-lib plan --params 7e9 --gpu t4): {floor:.2f} s\n")
+    print(f"{'model':<14} {'recipe':<6} {'uncached plan()':>15} {'cached plan()':>13} {'CLI cold':>9} "
+          f"{'CLI warm':>9} {'warm / floor':>12}")
+    missed = []
+    for model in models:
+        extra_options, extra_flags = _extra(model)
+        for recipe, (options, flags) in RECIPES.items():
+            options = {**options, **SIZE, **extra_options}
+            memory._TRACES.clear()
+            start = time.perf_counter()
+            memory.plan(model, **options)
+            uncached = time.perf_counter() - start
+            start = time.perf_counter()
+            memory.plan(model, **options)
+            cached = time.perf_counter() - start
+            argv = [model, "--gpu", "t4", "--batch", str(SIZE["batch"]), "--seq", str(SIZE["seq"]), *flags,
+                    *extra_flags]
+            with tempfile.TemporaryDirectory() as folder:
+                os.environ["COURSE_LIB_CACHE_DIR"] = folder  # the CLI's trace cache: empty, then filled
+                cold, warm = _cli_seconds(*argv), _cli_seconds(*argv)
+                os.environ["COURSE_LIB_CACHE_DIR"] = ""
+            row = {"uncached_s": uncached, "cached_s": cached, "cli_ratio": warm / floor}
+            missed += [f"{model} {recipe} {goal}" for goal, limit in GOALS.items() if row[goal] >= limit]
+            print(f"{model:<14} {recipe:<6} {uncached:>13.2f} s {cached * 1000:>10.1f} ms {cold:>7.2f} s "
+                  f"{warm:>7.2f} s {warm / floor:>11.1f}x", flush=True)
+    print(f"\ngoals: uncached < {GOALS['uncached_s']} s, cached < {GOALS['cached_s'] * 1000:.0f} ms, "
+          f"warm CLI < {GOALS['cli_ratio']}x the floor")
+    if missed:
+        print(f"missed ({len(missed)}): " + "; ".join(missed))
+        return 1
+    print("all goals met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Traces and parameter lists kept on disk between runs of `course-lib plan` (lesson 1, "the planner").
+
+A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
+and the tracer's own code; a parameter list only on the config and the libraries. All of them are
+in the key (`memory._trace_key` or the config's JSON, the torch, transformers and peft versions, a
+digest of the planner's sources), so a changed library or planner never reads an old entry. A
+second `course-lib plan` of a setup it planned before (each trick of "what makes it fit" is one)
+neither builds the model, nor imports peft, nor traces. `COURSE_LIB_CACHE_DIR` moves the cache
+(default `~/.cache/course-lib/traces`); set it empty to switch it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, fields
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+_SOURCES = ("memory.py", "trace_compose.py", "models.py", "trace_cache.py")
+
+
+def cache_dir() -> Path | None:
+    """Where traces are kept, or None when the cache is off."""
+    value = os.environ.get("COURSE_LIB_CACHE_DIR")
+    if value is None:
+        return Path.home() / ".cache" / "course-lib" / "traces"
+    return Path(value).expanduser() if value else None
+
+
+@lru_cache(maxsize=1)
+def _fingerprint() -> str:
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((here / name).read_bytes())
+    for package in ("torch", "transformers", "peft"):
+        try:
+            digest.update(f"{package}={metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package}=none".encode())
+    return digest.hexdigest()
+
+
+def _cached(kind: str, key: str, make: Callable, to_json: Callable, from_json: Callable):
+    folder = cache_dir()
+    if folder is None:
+        return make()
+    path = folder / f"{kind}-{hashlib.sha256((_fingerprint() + key).encode()).hexdigest()}.json"
+    try:
+        return from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    value = make()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(to_json(value)))
+        os.replace(partial, path)
+    except OSError:
+        pass  # a read-only home: plan without the cache
+    return value
+
+
+def cached_trace(key: tuple, make: Callable):
+    """The trace (memory.Trace) for `key` from disk, or `make()` stored for next time."""
+    from course_lib.memory import Trace
+
+    names = [f.name for f in fields(Trace) if f.name != "by_position"]
+    return _cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
+                   lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
+
+
+def cached_params(config_json: str, make: Callable) -> tuple:
+    """The parameter list (models.ParamInfo) of a config from disk, or `make()` stored for next time."""
+    from course_lib.models import ParamInfo
+
+    return _cached("params", config_json, make, lambda params: [asdict(p) for p in params],
+                   lambda data: tuple(ParamInfo(p["name"], tuple(p["shape"]), p["module"], p["is_lm_head"])
+                                      for p in data))

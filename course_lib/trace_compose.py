@@ -1,0 +1,117 @@
+"""A deep model's meta-device trace composed, exactly, from the traces of two shallow copies of it
+(lesson 1, "the planner"; what makes `course-lib plan` interactive).
+
+Tracing every layer of a 70B model takes seconds; its layers repeat. A copy of the model with 3p and
+one with 4p layers (p: the period of the layer types, 2 for Gemma-2's alternating sliding and global
+attention, else 1) hold every kind of position a deep model has: the first period, the first and last
+periods of the middle, the last period, and what runs before and after the layers. Every quantity of
+the trace (each peak at each position, the gradients) grows by the same amount from one period more:
+the deep model's value is the shallow one's plus that step times the periods added. The middle
+periods in between lie on the same line, so a peak over them is at one of its two ends.
+`tests/test_trace_compose.py` checks the result against a full trace, byte for byte, for every
+bundled model in several setups; any sign that the layers do not repeat falls back to the full trace.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from course_lib.models import ModelSpec
+
+MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
+
+
+def layer_period(config) -> int | None:
+    """The period of the config's `layer_types` (1 without them); None if they do not repeat."""
+    types = list(getattr(config, "layer_types", None) or [])
+    if not types:
+        return 1
+    for period in range(1, len(types) // MIN_PERIODS + 1):
+        if all(kind == types[i % period] for i, kind in enumerate(types)):
+            return period
+    return None
+
+
+def shallow_spec(spec: ModelSpec, n_layers: int) -> ModelSpec:
+    """The same model with its first `n_layers` decoder layers (same parameter list: the trace uses
+    it only for the frozen weights' shapes)."""
+    config = copy.deepcopy(spec.config)
+    config.num_hidden_layers = n_layers  # GPT-2's config maps it to n_layer
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:n_layers]
+    return ModelSpec(spec.name, config, spec.params)
+
+
+def _per_layer_lists(config, n_layers: int) -> bool:
+    """Whether the config has a per-layer list besides layer_types (then layers may differ)."""
+    return any(isinstance(value, (list, tuple)) and len(value) == n_layers and key != "layer_types"
+               for key, value in config.to_dict().items())
+
+
+def _classes(index, n_layers: int, period: int) -> list[tuple[str, int | str]]:
+    """The position classes of a layer index (or "pre"/"post") in a model of n_layers."""
+    if isinstance(index, str):
+        return [(index, 0)]
+    found = []
+    for name, start in (("first", 0), ("middle-first", period), ("middle-last", n_layers - 2 * period),
+                        ("last", n_layers - period)):
+        if start <= index < start + period:
+            found.append((name, index - start))
+    return found
+
+
+def _by_class(trace, n_layers: int, period: int) -> dict[tuple, tuple[int, int]]:
+    values: dict[tuple, tuple[int, int]] = {}
+    for (phase, index), peaks in trace.by_position.items():
+        for cls in _classes(index, n_layers, period):
+            values[(phase, *cls)] = peaks
+    return values
+
+
+def _periodic(a: tuple, b: tuple, period: int, n_layers: int) -> tuple | None:
+    """The per-layer tuple of the deep model from those of the 3p- and 4p-layer copies, or None."""
+    first, middle, last = b[:period], b[period:2 * period], b[3 * period:]
+    if a != first + middle + last or b[2 * period:3 * period] != middle:
+        return None
+    return first + middle * (n_layers // period - 2) + last
+
+
+def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
+    """The trace of `spec` composed from `trace` (memory._trace) of two shallow copies, or None when
+    the model is shallow or its layers do not visibly repeat (then trace it in full)."""
+    from course_lib.memory import Trace
+
+    n, period = spec.n_layers, layer_period(spec.config)
+    if n is None or period is None or n % period or n < MIN_PERIODS * period or _per_layer_lists(spec.config, n):
+        return None
+    small, large = 3 * period, 4 * period
+    a, b = trace(shallow_spec(spec, small), setup, target), trace(shallow_spec(spec, large), setup, target)
+    saved, inputs = _periodic(a.saved, b.saved, period, n), _periodic(a.inputs, b.inputs, period, n)
+    if saved is None or inputs is None or (a.output, a.saved_outside, a.dequant_transient, a.kept_outputs) != \
+            (b.output, b.saved_outside, b.dequant_transient, b.kept_outputs):
+        return None
+    steps = (n - small) // period
+    class_a, class_b = _by_class(a, small, period), _by_class(b, large, period)
+    if set(class_a) != set(class_b):
+        return None
+    peaks: dict[str, list[int]] = {}
+    for key, (with_a, without_a) in class_a.items():
+        with_b, without_b = class_b[key]
+        best = peaks.setdefault(key[0], [0, 0])
+        best[0] = max(best[0], with_a + (with_b - with_a) * steps)
+        best[1] = max(best[1], without_a + (without_b - without_a) * steps)
+
+    def peak(phase: str, without_grads: bool) -> int:
+        return peaks.get(phase, [0, 0])[without_grads]
+
+    return Trace(
+        forward_peak=peak("forward", False), head_backward_peak=peak("head_backward", False),
+        layer_backward_peak=peak("layer_backward", False), tail_backward_peak=peak("tail_backward", False),
+        forward_peak_without_grads=peak("forward", True),
+        head_backward_peak_without_grads=peak("head_backward", True),
+        layer_backward_peak_without_grads=peak("layer_backward", True),
+        tail_backward_peak_without_grads=peak("tail_backward", True),
+        gradients=a.gradients + (b.gradients - a.gradients) * steps, saved=saved, inputs=inputs,
+        output=a.output, saved_outside=a.saved_outside, dequant_transient=a.dequant_transient,
+        kept_outputs=a.kept_outputs)

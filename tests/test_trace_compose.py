@@ -1,0 +1,81 @@
+"""The fast path of the planner (lesson 1): a deep model's trace composed from two shallow copies equals
+the full meta-device trace, byte for byte, for every bundled model in several setups.
+
+The deep model here is a 6-period copy of each bundled config (real widths, vocabulary and layer
+types; fewer layers) so that the full trace it is checked against stays quick."""
+
+from dataclasses import replace
+
+import pytest
+
+from course_lib import memory
+from course_lib.models import bundled_models, model_spec
+from course_lib.trace_compose import composed_trace, layer_period, shallow_spec
+
+SETUPS = [  # (setup, target): full fine-tune; LoRA, eager attention, outputs kept; QLoRA, prepared base
+    (memory.Setup(precision="mixed-bf16", batch=2, seq=64), "cpu"),
+    (memory.Setup(precision="fp16", lora_rank=8, batch=1, seq=48, attention="eager", loop="keep-outputs"), "cuda"),
+    (memory.Setup(precision="bf16", lora_rank=4, quant="nf4", prepare_kbit=True, batch=3, seq=32), "cuda"),
+]
+
+
+@pytest.mark.parametrize("name", bundled_models())
+def test_the_composed_trace_is_the_full_trace(name):
+    spec = model_spec(name)
+    period = layer_period(spec.config)
+    deep = shallow_spec(spec, 6 * period)
+    for setup, target in SETUPS:
+        if name.startswith("gemma-2"):  # its implementation refuses SDPA
+            setup = replace(setup, attention="eager")
+        composed = composed_trace(deep, setup, target, memory._trace)
+        assert composed is not None
+        assert composed == memory._trace(deep, setup, target), (name, setup)
+
+
+def test_gemma_2_alternates_two_layer_types_and_shallow_models_are_traced_in_full():
+    assert layer_period(model_spec("gemma-2-2b").config) == 2
+    assert layer_period(model_spec("llama-3.2-1b").config) == 1
+    spec = model_spec("gpt2")
+    assert composed_trace(shallow_spec(spec, 5), memory.Setup(seq=16), "cpu", memory._trace) is None
+
+
+def test_layers_that_do_not_repeat_are_traced_in_full():
+    spec = shallow_spec(model_spec("llama-3.2-1b"), 6)
+    spec.config.layer_types = ["full_attention"] * 5 + ["sliding_attention"]
+    assert layer_period(spec.config) is None
+    assert composed_trace(spec, memory.Setup(seq=16), "cpu", memory._trace) is None
+
+
+def test_the_planner_uses_the_fast_path_for_a_deep_model(monkeypatch):
+    depths = []
+    real = memory._trace
+    monkeypatch.setattr(memory, "_trace", lambda spec, setup, target: depths.append(spec.n_layers)
+                        or real(spec, setup, target))
+    monkeypatch.setattr(memory, "_TRACES", {})
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
+    memory.plan("llama-2-70b", seq=32)
+    assert depths == [3, 4]  # never the 80 layers
+
+
+def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(memory, "_TRACES", {})
+    setup = memory.Setup(lora_rank=4, seq=32)
+    first = memory.plan("llama-3.2-1b", setup)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(memory, "_TRACES", {})
+    monkeypatch.setattr(memory, "_trace", lambda *args: pytest.fail("traced again"))
+    assert memory.plan("llama-3.2-1b", setup).bytes == first.bytes
+
+
+def test_a_parameter_list_kept_on_disk_is_the_parameter_list(monkeypatch, tmp_path):
+    from course_lib import models
+
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
+    models._cached_spec.cache_clear()
+    first = models.model_spec("qwen2.5-0.5b")
+    models._cached_spec.cache_clear()
+    monkeypatch.setattr(models, "build_model", lambda *args, **kwargs: pytest.fail("built again"))
+    again = models.model_spec("qwen2.5-0.5b")
+    models._cached_spec.cache_clear()
+    assert again.params == first.params and again.n_params == models.PUBLISHED_PARAMETERS["qwen2.5-0.5b"]
