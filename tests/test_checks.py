@@ -59,6 +59,34 @@ def test_refuse_reference_sees_a_call_however_it_was_imported():
         assert sum(range(4)) == 6  # no call into the reference: nothing to refuse
 
 
+def test_refuse_reference_names_functions_and_refuses_even_when_the_answer_then_raises():
+    from course_lib.checks import refusing
+    from course_lib.paging import chunk_migrations
+
+    def answer():
+        chunk_migrations([0, 1], 1, "lru")
+        raise ValueError("the learner's own error")
+
+    with pytest.raises(CheckFailed, match=r"calls course_lib\.paging\.simulator\.chunk_migrations"):
+        refusing(answer, chunk_migrations)()
+    assert refusing(lambda a, b: a + b, chunk_migrations)(2, 3) == 5  # a call that stays clear is passed through
+
+
+@pytest.mark.parametrize("check, answer", [
+    ("check_checkpointed_forward", lambda layers, x, plan: __import__("course_lib.checkpointing").checkpointing
+     .checkpointed_forward(layers, x, plan)),
+    ("check_best_plan", lambda saved, inputs, budget: __import__("course_lib.checkpointing").checkpointing
+     .optimal_plan(saved, inputs, budget).plan),
+    ("check_migrated_bytes", lambda accesses, capacity, policy: __import__("course_lib.paging").paging
+     .chunk_migrations(accesses, capacity, policy)),
+    ("check_step3_prediction", lambda: {k: checks.paging._step3_in(k == "with empty_cache")
+                                        for k in ("with empty_cache", "without empty_cache")}),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_lesson_checks_refuse_an_answer_that_calls_the_library(check, answer):
+    with pytest.raises(CheckFailed, match="the course library's own answer"):
+        getattr(checks, check)(answer)
+
+
 def right_model_state_bytes(n, precision, optimizer):
     weight = 4 if precision == "fp32" else 2
     state = 2 if precision == "bf16" else 4

@@ -2,11 +2,11 @@
 
 Each check raises `CheckFailed` (an AssertionError) with a hint when the learner's answer is wrong:
 every `check_...` below is wrapped by `hints_only`, so that Jupyter shows the hint as one short block,
-not the check's source. `refuse_reference` lets a check refuse an answer that only calls the library's
-own implementation of what the exercise asks (hints.py).
+not the check's source. `refuse_reference` (or `refusing`) lets a check refuse an answer that only
+calls the library's own implementation of what the exercise asks (hints.py).
 """
 
-from course_lib.checks.hints import CheckFailed, hints_only, refuse_reference  # noqa: F401
+from course_lib.checks.hints import CheckFailed, hints_only, refuse_reference, refusing  # noqa: F401
 from course_lib.checks.measuring import *  # noqa: F401,F403  lesson 0
 from course_lib.checks.adam import *  # noqa: F401,F403  lesson 1
 from course_lib.checks.accumulation import *  # noqa: F401,F403  lesson 2

@@ -9,80 +9,26 @@ calls the library's own reference.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
-import types
 import warnings
 from collections.abc import Callable
 
 import torch
 
 from course_lib import checkpointing
+from course_lib.checks.hints import refusing
 from course_lib.checkpointing import all_plans, apply_plan, min_feasible_peak, mlp_stack, optimal_plan, plan_cost
 from course_lib.measure import MiB, measure_step
 
 __all__ = ["check_checkpointed_forward", "check_best_plan"]
 
 
-# ---------------------------------------------------------------------------------------------------
-# An answer must not hand the work to the library's reference (to be replaced by the shared mechanism
-# of course_lib.checks once it exists)
-# ---------------------------------------------------------------------------------------------------
-
-_REFERENCES = ("checkpointed_forward", "apply_plan", "optimal_plan", "plan_frontier", "min_feasible_peak",
-               "segments_plan", "named_plan", "all_plans")
-
-
-def _code_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
-@contextlib.contextmanager
-def _refuse_library_reference(answer: Callable, exercise: str):
-    """Fail when `answer` uses course_lib.checkpointing's reference: by name in its code, or by a call
-    while the check runs (the reference functions are replaced by tripwires meanwhile)."""
-    hint = (f"{exercise}: your answer calls course_lib.checkpointing.{{}}, the library's reference. The "
-            "exercise is to write it yourself (torch.utils.checkpoint and plain Python are fine)")
-    code = getattr(answer, "__code__", None)
-    scope = getattr(answer, "__globals__", {})
-    originals = {id(getattr(checkpointing, name)): name for name in _REFERENCES}
-    if code is not None:
-        names = _code_names(code)
-        for name in names:
-            value = scope.get(name)
-            if id(value) in originals:
-                raise AssertionError(hint.format(originals[id(value)]))
-            if value is checkpointing and names & set(_REFERENCES):
-                raise AssertionError(hint.format(sorted(names & set(_REFERENCES))[0]))
-    modules = [checkpointing] + [getattr(checkpointing, part) for part in ("apply", "optimal", "plans")]
-    saved = [(module, name, getattr(module, name)) for module in modules for name in _REFERENCES
-             if hasattr(module, name)]
-    tripped: list[str] = []
-
-    def tripwire(name, original):
-        def wire(*args, **kwargs):
-            tripped.append(name)
-            return original(*args, **kwargs)
-        return wire
-
-    for module, name, original in saved:
-        setattr(module, name, tripwire(name, original))
-    try:
-        yield tripped
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
-
-
-def _no_reference_called(tripped: list[str], exercise: str) -> None:
-    if tripped:
-        raise AssertionError(f"{exercise}: your answer called course_lib.checkpointing.{tripped[0]}, the library's "
-                             "reference. The exercise is to write it yourself")
+# The library's reference for both exercises: an answer that calls one of these is refused.
+_REFERENCES = (checkpointing.checkpointed_forward, checkpointing.apply_plan, checkpointing.optimal_plan,
+               checkpointing.plan_frontier, checkpointing.min_feasible_peak, checkpointing.segments_plan,
+               checkpointing.named_plan, checkpointing.all_plans)
+_WRITE_IT = "write it yourself (torch.utils.checkpoint and plain Python are fine)"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,55 +64,53 @@ def check_checkpointed_forward(checkpointed_forward: Callable) -> None:
     """Exercise 3.1: `checkpointed_forward(layers, x, plan)` runs the layers one after the other on x,
     each segment (start, end) of the plan under one torch.utils.checkpoint.checkpoint(...,
     use_reentrant=False), the other layers normally."""
-    exercise = "checkpointed_forward"
+    checkpointed_forward = refusing(checkpointed_forward, *_REFERENCES, instead=_WRITE_IT)
     warnings.filterwarnings("ignore", message=".*(use_reentrant|requires_grad=True).*")
-    with _refuse_library_reference(checkpointed_forward, exercise) as tripped:
-        torch.manual_seed(0)
-        layers, x = mlp_stack(6, 32, "gelu"), torch.randn(16, 32)  # x does not require grad, like token embeddings
-        plain = _grads(layers, lambda: layers(x).pow(2).mean())
-        for plan in ([], [(0, 6)], [(0, 2), (2, 4)], [(0, 1), (2, 3), (4, 6)], [(1, 5)]):
-            where = f"checkpointed_forward(layers, x, {plan})"
-            out = checkpointed_forward(layers, x, plan)
-            assert isinstance(out, torch.Tensor), f"{where} returned {type(out).__name__}: return the output tensor"
-            assert out.shape == (16, 32), f"{where} returned shape {tuple(out.shape)}: run every layer once, in order"
-            _same_grads(plain, _grads(layers, lambda: checkpointed_forward(layers, x, plan).pow(2).mean(), where), where)
+    torch.manual_seed(0)
+    layers, x = mlp_stack(6, 32, "gelu"), torch.randn(16, 32)  # x does not require grad, like token embeddings
+    plain = _grads(layers, lambda: layers(x).pow(2).mean())
+    for plan in ([], [(0, 6)], [(0, 2), (2, 4)], [(0, 1), (2, 3), (4, 6)], [(1, 5)]):
+        where = f"checkpointed_forward(layers, x, {plan})"
+        out = checkpointed_forward(layers, x, plan)
+        assert isinstance(out, torch.Tensor), f"{where} returned {type(out).__name__}: return the output tensor"
+        assert out.shape == (16, 32), f"{where} returned shape {tuple(out.shape)}: run every layer once, in order"
+        _same_grads(plain, _grads(layers, lambda: checkpointed_forward(layers, x, plan).pow(2).mean(), where), where)
 
-        # forward runs: twice in a segment (forward, then the recompute), once outside
-        plan = [(0, 2), (3, 5)]
-        runs = [0] * 6
-        hooks = [layer[0].register_forward_hook(lambda *a, i=i: runs.__setitem__(i, runs[i] + 1))
-                 for i, layer in enumerate(layers)]
-        try:
-            checkpointed_forward(layers, x, plan).pow(2).mean().backward()
-        finally:
-            for hook in hooks:
-                hook.remove()
-            layers.zero_grad(set_to_none=True)
-        expected = [2, 2, 1, 2, 2, 1]
-        assert runs == expected, (
-            f"forward runs of each layer under {plan}: {runs}, expected {expected}. "
-            + ("Nothing was recomputed: run each segment inside torch.utils.checkpoint.checkpoint"
-               if runs == [1] * 6 else "Each segment's layers run twice (forward and recompute), the others once"))
+    # forward runs: twice in a segment (forward, then the recompute), once outside
+    plan = [(0, 2), (3, 5)]
+    runs = [0] * 6
+    hooks = [layer[0].register_forward_hook(lambda *a, i=i: runs.__setitem__(i, runs[i] + 1))
+             for i, layer in enumerate(layers)]
+    try:
+        checkpointed_forward(layers, x, plan).pow(2).mean().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        layers.zero_grad(set_to_none=True)
+    expected = [2, 2, 1, 2, 2, 1]
+    assert runs == expected, (
+        f"forward runs of each layer under {plan}: {runs}, expected {expected}. "
+        + ("Nothing was recomputed: run each segment inside torch.utils.checkpoint.checkpoint"
+           if runs == [1] * 6 else "Each segment's layers run twice (forward and recompute), the others once"))
 
-        # dropout: the recompute must draw the same masks
-        torch.manual_seed(0)
-        drop = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.3))
-                                     for _ in range(4)])
+    # dropout: the recompute must draw the same masks
+    torch.manual_seed(0)
+    drop = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.3))
+                                 for _ in range(4)])
 
-        def seeded(run):
-            torch.manual_seed(7)
-            return _grads(drop, lambda: run().pow(2).mean())
+    def seeded(run):
+        torch.manual_seed(7)
+        return _grads(drop, lambda: run().pow(2).mean())
 
-        _same_grads(seeded(lambda: drop(x)), seeded(lambda: checkpointed_forward(drop, x, [(0, 3)])),
-                    "with dropout, plan [(0, 3)] (keep torch's preserve_rng_state=True)")
+    _same_grads(seeded(lambda: drop(x)), seeded(lambda: checkpointed_forward(drop, x, [(0, 3)])),
+                "with dropout, plan [(0, 3)] (keep torch's preserve_rng_state=True)")
 
-        # measured: a 16-layer ReLU MLP, the sqrt plan
-        torch.manual_seed(0)
-        relu, xr = mlp_stack(16, 64, "relu"), torch.randn(512, 64)
-        sqrt = [(0, 4), (4, 8), (8, 12)]
-        none = measure_step(relu, None, lambda: relu(xr).pow(2).mean(), [xr])
-        yours = measure_step(relu, None, lambda: checkpointed_forward(relu, xr, sqrt).pow(2).mean(), [xr])
-    _no_reference_called(tripped, exercise)
+    # measured: a 16-layer ReLU MLP, the sqrt plan
+    torch.manual_seed(0)
+    relu, xr = mlp_stack(16, 64, "relu"), torch.randn(512, 64)
+    sqrt = [(0, 4), (4, 8), (8, 12)]
+    none = measure_step(relu, None, lambda: relu(xr).pow(2).mean(), [xr])
+    yours = measure_step(relu, None, lambda: checkpointed_forward(relu, xr, sqrt).pow(2).mean(), [xr])
     with apply_plan(relu, sqrt):
         reference = measure_step(relu, None, lambda: relu(xr).pow(2).mean(), [xr])
     peak, base, ref = (m.peak - m.baseline for m in (yours, none, reference))
@@ -219,39 +163,35 @@ def check_best_plan(best_plan: Callable[[list[int], list[int], int], list[tuple[
     """Exercise 3.2: `best_plan(saved, inputs, budget)` returns the plan, over all plans (segments with
     gaps between them), with the fewest recomputed layers whose predicted peak fits the budget, and
     raises ValueError when none fits."""
-    exercise = "best_plan"
+    best_plan = refusing(best_plan, *_REFERENCES, instead=_WRITE_IT)
     checked = 0
-    with _refuse_library_reference(best_plan, exercise) as tripped:
-        for saved, inputs in _instances(seed=3, count=30, max_layers=7):
-            costs = [(plan_cost(saved, inputs, p).peak_bytes, _recomputed(p)) for p in list(all_plans(len(saved)))]
-            minimum = min(peak for peak, _ in costs)
-            for budget in sorted({minimum, minimum + 1, minimum + 5, minimum + 20, max(p for p, _ in costs)}):
-                _check_one(best_plan, saved, inputs, budget, min(r for peak, r in costs if peak <= budget))
-                checked += 1
-            try:
-                plan = best_plan(saved, inputs, minimum - 1)
-            except ValueError:
-                pass
-            else:
-                raise AssertionError(f"best_plan(saved={saved}, inputs={inputs}, budget={minimum - 1}) returned "
-                                     f"{plan}, but no plan fits (the lowest peak is {minimum}): raise ValueError "
-                                     "naming that minimum")
-        # a stack far too long for brute force
-        rng = random.Random(7)
-        inputs = [rng.randint(1, 3) for _ in range(40)]
-        saved = [i + rng.randint(0, 12) for i in inputs]
-        tripped.clear()  # the check's own calls
-        minimum = min_feasible_peak(saved, inputs)
-        budgets = (minimum, (minimum + plan_cost(saved, inputs, []).peak_bytes) // 2)
-        references = [optimal_plan(saved, inputs, budget) for budget in budgets]
-        tripped.clear()
-        for budget, reference in zip(budgets, references):
-            start = time.perf_counter()
-            _check_one(best_plan, saved, inputs, budget, _recomputed(reference))
-            seconds = time.perf_counter() - start
-            assert seconds < 30, (f"best_plan took {seconds:.0f} s on 40 layers: memoise on (layer, memory held "
-                                  "so far) instead of trying every plan")
+    for saved, inputs in _instances(seed=3, count=30, max_layers=7):
+        costs = [(plan_cost(saved, inputs, p).peak_bytes, _recomputed(p)) for p in list(all_plans(len(saved)))]
+        minimum = min(peak for peak, _ in costs)
+        for budget in sorted({minimum, minimum + 1, minimum + 5, minimum + 20, max(p for p, _ in costs)}):
+            _check_one(best_plan, saved, inputs, budget, min(r for peak, r in costs if peak <= budget))
             checked += 1
-        _no_reference_called(tripped, exercise)
+        try:
+            plan = best_plan(saved, inputs, minimum - 1)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"best_plan(saved={saved}, inputs={inputs}, budget={minimum - 1}) returned "
+                                 f"{plan}, but no plan fits (the lowest peak is {minimum}): raise ValueError "
+                                 "naming that minimum")
+    # a stack far too long for brute force
+    rng = random.Random(7)
+    inputs = [rng.randint(1, 3) for _ in range(40)]
+    saved = [i + rng.randint(0, 12) for i in inputs]
+    minimum = min_feasible_peak(saved, inputs)
+    budgets = (minimum, (minimum + plan_cost(saved, inputs, []).peak_bytes) // 2)
+    references = [optimal_plan(saved, inputs, budget) for budget in budgets]
+    for budget, reference in zip(budgets, references):
+        start = time.perf_counter()
+        _check_one(best_plan, saved, inputs, budget, _recomputed(reference))
+        seconds = time.perf_counter() - start
+        assert seconds < 30, (f"best_plan took {seconds:.0f} s on 40 layers: memoise on (layer, memory held "
+                              "so far) instead of trying every plan")
+        checked += 1
     print(f"Correct: your plans fit and recompute as little as brute force over every plan allows on {checked - 2} "
           "budgets, and as little as the library's DP on a 40-layer stack.")

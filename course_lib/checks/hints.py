@@ -4,20 +4,22 @@
   the check's source (which holds the other hints) nor this machine's paths.
 - `hints_only(check)`: a check whose failed asserts become `CheckFailed`, and whose other errors (the
   learner's own code raising) show the learner's frames without the check's.
-- `refuse_reference(*modules)`: refuses an answer that only calls the library's own implementation of
-  what the exercise asks, the very thing the check compares the answer with.
+- `refuse_reference(*references)` and `refusing(answer, *references)`: refuse an answer that only calls
+  the library's own implementation of what the exercise asks (a module, or named functions or classes),
+  the very thing the check compares the answer with.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["CheckFailed", "hints_only", "refuse_reference"]
+__all__ = ["CheckFailed", "hints_only", "refuse_reference", "refusing"]
 
 _CHECKS_DIR = str(Path(__file__).resolve().parent)
 
@@ -70,22 +72,41 @@ def _owner(modules: tuple[types.ModuleType, ...], filename: str) -> str | None:
     return None
 
 
+def _codes(reference) -> dict[types.CodeType, str]:
+    """The code objects of a function (unwrapped) or of a class's methods, with the name to show."""
+    if isinstance(reference, type):
+        functions = [f for f in vars(reference).values() if isinstance(f, types.FunctionType)]
+    else:
+        functions = [inspect.unwrap(reference)]
+    return {f.__code__: f"{f.__module__}.{f.__qualname__}" for f in functions}
+
+
 @contextmanager
-def refuse_reference(*modules: types.ModuleType, instead: str = "work it out yourself"):
+def refuse_reference(*references, instead: str = "work it out yourself"):
     """Run the learner's answer inside `with refuse_reference(course_lib.memory): ...`: if the answer
-    called any function of those modules (the library's reference that the check compares with), the
-    check fails with a hint that says so. A call is seen however the function was imported."""
+    called the library's reference that the check compares with (any function of a module or package
+    named, or one of the functions or classes named), the check fails with a hint that says so. A call
+    is seen however the function was imported."""
+    modules = tuple(r for r in references if isinstance(r, types.ModuleType))
+    codes: dict[types.CodeType, str] = {}
+    for reference in references:
+        if not isinstance(reference, types.ModuleType):
+            codes.update(_codes(reference))
     called: list[str] = []
     owners: dict[str, str | None] = {}  # by file name, so that each file is looked at once
 
     def watch(frame, event, arg):
         if event != "call" or called:
             return
-        filename = frame.f_code.co_filename
-        if filename not in owners:
-            owners[filename] = _owner(modules, filename)
-        if owners[filename]:
-            called.append(f"{owners[filename]}.{frame.f_code.co_qualname}")
+        code = frame.f_code
+        if code in codes:
+            called.append(codes[code])
+            return
+        if modules:
+            if code.co_filename not in owners:
+                owners[code.co_filename] = _owner(modules, code.co_filename)
+            if owners[code.co_filename]:
+                called.append(f"{owners[code.co_filename]}.{code.co_qualname}")
 
     previous = sys.getprofile()
     sys.setprofile(watch)
@@ -93,6 +114,18 @@ def refuse_reference(*modules: types.ModuleType, instead: str = "work it out you
         yield
     finally:
         sys.setprofile(previous)
-    if called:
-        raise CheckFailed(f"your answer calls {called[0]}, the course library's own answer, which is what "
-                          f"this check compares with: {instead}")
+        if called:  # also when the answer then raised: the refusal is the hint that matters
+            raise CheckFailed(f"your answer calls {called[0]}, the course library's own answer, which is what "
+                              f"this check compares with: {instead}")
+
+
+def refusing(answer: Callable, *references, instead: str = "work it out yourself") -> Callable:
+    """`answer`, each of whose calls runs inside `refuse_reference(*references, instead=instead)`: for
+    checks that call the learner's function in many places."""
+
+    @functools.wraps(answer)
+    def run(*args, **kwargs):
+        with refuse_reference(*references, instead=instead):
+            return answer(*args, **kwargs)
+
+    return run

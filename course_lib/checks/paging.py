@@ -4,11 +4,10 @@ allocation order beats LRU, and a prediction of the step after a spike, are chec
 
 from __future__ import annotations
 
-import inspect
 import random
-import types
 
 from course_lib import paging
+from course_lib.checks.hints import refusing
 from course_lib.paging import MiB, chunk_migrations
 
 __all__ = ["check_allocation_order_wins", "check_migrated_bytes", "check_mru", "check_step3_prediction",
@@ -26,32 +25,9 @@ def _traces() -> list[tuple[list[int], int]]:
     return fixed + randoms
 
 
-def _names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
-
-
-_REFERENCES = {"simulate", "chunk_migrations", "chunk_trace", "spike_trace", "_step3_in"}
-
-
-def _refuse_reference(fn) -> None:
-    """An answer that only calls the simulator is not an answer: refuse a function that uses one of
-    the simulator's functions from `course_lib` (directly or as an attribute of a module it names)."""
-    scope = {**getattr(fn, "__globals__", {}), **dict(zip(fn.__code__.co_freevars,
-                                                           (c.cell_contents for c in fn.__closure__ or ())))}
-    names = _names(fn.__code__)
-    used = names & _REFERENCES
-    if not used:
-        return
-    for name in names:
-        obj = scope.get(name)
-        module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", "") or ""
-        if (inspect.ismodule(obj) or callable(obj)) and module.startswith("course_lib"):
-            raise AssertionError(f"your function calls {', '.join(sorted(used))} from course_lib, the simulator "
-                                 "it is checked against: work it out yourself (an OrderedDict is enough)")
+# The simulator the answers are compared with: an answer that calls it is refused.
+_REFERENCES = (paging.simulate, paging.chunk_migrations, paging.chunk_trace)
+_WORK_IT_OUT = "work it out yourself (an OrderedDict is enough)"
 
 
 def _call(fn, accesses, capacity, policy):
@@ -86,7 +62,7 @@ def _compare(fn, policy: str) -> None:
 
 def check_migrated_bytes(migrated_bytes) -> None:
     """Exercise 4.1: `migrated_bytes(accesses, capacity, policy)` for "allocation" and "lru"."""
-    _refuse_reference(migrated_bytes)
+    migrated_bytes = refusing(migrated_bytes, *_REFERENCES, spike_trace, _step3_in, instead=_WORK_IT_OUT)
     for policy in ("allocation", "lru"):
         _compare(migrated_bytes, policy)
     print(f"Correct: your allocation-order and LRU policies match the simulator on {len(_traces())} traces each.")
@@ -99,7 +75,7 @@ def check_migrated_bytes(migrated_bytes) -> None:
 
 def check_mru(migrated_bytes) -> None:
     """Exercise 4.2: the same function also handles "mru", and beats LRU on an optimizer's cycle."""
-    _refuse_reference(migrated_bytes)
+    migrated_bytes = refusing(migrated_bytes, *_REFERENCES, spike_trace, _step3_in, instead=_WORK_IT_OUT)
     _compare(migrated_bytes, "mru")
     cycle = list(range(10)) * 4
     lru, mru = _call(migrated_bytes, cycle, 8, "lru"), _call(migrated_bytes, cycle, 8, "mru")
@@ -154,7 +130,7 @@ def _step3_in(empty_cache_after_spike: bool) -> int:
 def check_step3_prediction(predict) -> None:
     """Exercise 4.4: `predict()` returns {"with empty_cache": bytes, "without empty_cache": bytes}, the
     bytes of paged state migrated back in step 3 of `spike_trace`."""
-    _refuse_reference(predict)
+    predict = refusing(predict, *_REFERENCES, spike_trace, _step3_in, instead=_WORK_IT_OUT)
     got = predict()
     assert isinstance(got, dict) and set(got) == {"with empty_cache", "without empty_cache"}, (
         'return a dict {"with empty_cache": bytes, "without empty_cache": bytes}')
