@@ -9,6 +9,8 @@ from collections.abc import Iterable
 
 import torch
 
+from course_lib.measure import optimizer_state_tensors, storage_bytes
+
 
 class CPUOffloadAdamW:
     """AdamW whose state (and an fp32 master copy of each parameter) lives in host memory
@@ -100,8 +102,7 @@ class CPUOffloadAdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on the host (exp_avg, exp_avg_sq, step counters)."""
-        return sum(t.numel() * t.element_size() for opt in self.optimizers for state in opt.state.values()
-                   for t in state.values() if isinstance(t, torch.Tensor))
+        return storage_bytes(t for opt in self.optimizers for t in optimizer_state_tensors(opt))
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

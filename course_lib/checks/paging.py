@@ -25,9 +25,10 @@ def _traces() -> list[tuple[list[int], int]]:
     return fixed + randoms
 
 
-# The simulator the answers are compared with: an answer that calls it is refused.
-_REFERENCES = (paging.simulate, paging.chunk_migrations, paging.chunk_trace)
-_WORK_IT_OUT = "work it out yourself (an OrderedDict is enough)"
+def _refusing(answer):
+    """The answer, refused if it calls the simulator it is compared with (or this module's own answers)."""
+    return refusing(answer, paging.simulate, paging.chunk_migrations, paging.chunk_trace, spike_trace, _step3_in,
+                    instead="work it out yourself (an OrderedDict is enough)")
 
 
 def _call(fn, accesses, capacity, policy):
@@ -62,7 +63,7 @@ def _compare(fn, policy: str) -> None:
 
 def check_migrated_bytes(migrated_bytes) -> None:
     """Exercise 4.1: `migrated_bytes(accesses, capacity, policy)` for "allocation" and "lru"."""
-    migrated_bytes = refusing(migrated_bytes, *_REFERENCES, spike_trace, _step3_in, instead=_WORK_IT_OUT)
+    migrated_bytes = _refusing(migrated_bytes)
     for policy in ("allocation", "lru"):
         _compare(migrated_bytes, policy)
     print(f"Correct: your allocation-order and LRU policies match the simulator on {len(_traces())} traces each.")
@@ -75,7 +76,7 @@ def check_migrated_bytes(migrated_bytes) -> None:
 
 def check_mru(migrated_bytes) -> None:
     """Exercise 4.2: the same function also handles "mru", and beats LRU on an optimizer's cycle."""
-    migrated_bytes = refusing(migrated_bytes, *_REFERENCES, spike_trace, _step3_in, instead=_WORK_IT_OUT)
+    migrated_bytes = _refusing(migrated_bytes)
     _compare(migrated_bytes, "mru")
     cycle = list(range(10)) * 4
     lru, mru = _call(migrated_bytes, cycle, 8, "lru"), _call(migrated_bytes, cycle, 8, "mru")
@@ -100,9 +101,10 @@ def check_allocation_order_wins(trace_for) -> None:
             f"capacity {capacity}: on {accesses[:20]}{'...' if len(accesses) > 20 else ''} allocation order migrates "
             f"{alloc_in // MiB} MiB, LRU {lru_in // MiB} MiB. Hint: under LRU, using a resident chunk again protects "
             "it; make the chunk that LRU then evicts instead be the one you need next")
+        if capacity == 2:
+            shown = f"{accesses}: allocation {alloc_in // MiB} MiB, LRU {lru_in // MiB} MiB"
     print(f"Correct: for capacities 2 to 8, allocation order migrates less than LRU on your traces. On capacity 2: "
-          f"{trace_for(2)}: allocation {chunk_migrations(trace_for(2), 2, 'allocation')[0] // MiB} MiB, "
-          f"LRU {chunk_migrations(trace_for(2), 2, 'lru')[0] // MiB} MiB. The optimizer's cycle near the edge "
+          f"{shown}. The optimizer's cycle near the edge "
           "is this case (lesson 4, the cliff): chunks used again are not the ones needed next.")
 
 
@@ -130,7 +132,7 @@ def _step3_in(empty_cache_after_spike: bool) -> int:
 def check_step3_prediction(predict) -> None:
     """Exercise 4.4: `predict()` returns {"with empty_cache": bytes, "without empty_cache": bytes}, the
     bytes of paged state migrated back in step 3 of `spike_trace`."""
-    predict = refusing(predict, *_REFERENCES, spike_trace, _step3_in, instead=_WORK_IT_OUT)
+    predict = _refusing(predict)
     got = predict()
     assert isinstance(got, dict) and set(got) == {"with empty_cache", "without empty_cache"}, (
         'return a dict {"with empty_cache": bytes, "without empty_cache": bytes}')

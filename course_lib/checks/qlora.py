@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from course_lib.measure import MiB, format_bytes
-from course_lib.qlora import Recipe, RecipeError, measure_recipe, training_arguments
+from course_lib.qlora import TRICKS, Recipe, RecipeError, measure_recipe, training_arguments
 
 __all__ = ["check_fit_in_budget"]
 
@@ -20,18 +20,8 @@ NEEDED = 0.9                          # a trick is unnecessary if the recipe fit
 
 
 def _enabled(recipe: Recipe) -> list[str]:
-    tricks = []
-    if recipe.lora_rank:
-        tricks.append("lora")
-    if recipe.nf4:
-        tricks.append("nf4")
-    if recipe.checkpointing:
-        tricks.append("checkpointing")
-    if recipe.accum > 1:
-        tricks.append("accumulation")
-    if recipe.optim != "adamw_torch":
-        tricks.append("optimizer")
-    return tricks
+    """The tricks the recipe switches on: those that switching off changes (prepare_kbit goes with nf4)."""
+    return [trick for trick in TRICKS if trick != "prepare_kbit" and recipe.without(trick) != recipe]
 
 
 def _check_one(fit_in_budget: Callable, config, budget_bytes: int, effective_batch: int, seq: int,
