@@ -444,19 +444,10 @@ def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, 
 
 
 def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
-    """Peak bytes of one whole optimizer step (every micro-batch and the update): the caching
-    allocator's peak on CUDA, `course_lib.measure.LiveStorageTracker` on a CPU (lesson 0's measurer,
-    run over the whole accumulation window rather than one micro-batch).
-
-    On CUDA a paged optimizer's state lives in unified memory (cudaMallocManaged, lesson 4), outside
-    PyTorch's allocator: its bytes are added, as they occupy the GPU while the optimizer runs.
-    """
+    """Peak bytes of one whole optimizer step (every micro-batch and the update), measured by
+    `course_lib.measure.peak_bytes` (lesson 0's measurer, run over the whole accumulation window)."""
     optimizer.zero_grad(set_to_none=True)
-    state = optimizer_state_tensors(optimizer)
-    peak = peak_bytes(step, [*model.parameters(), *model.buffers(), *state, ids], device)
-    if device.type == "cuda":
-        peak += sum(t.numel() * t.element_size() for t in state if getattr(t, "is_paged", False))
-    return peak
+    return peak_bytes(step, [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), ids], device)
 
 
 def _catalog_gpu(device: torch.device):
