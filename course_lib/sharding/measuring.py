@@ -1,0 +1,117 @@
+"""One training step per rank under each engine, measured (lesson 6, "measured, rank by rank").
+
+`measure_sharding(model, world_size, stages)` starts `world_size` gloo processes once; inside them
+each stage in turn builds the same Hugging Face model from its config (same seed), wraps it with
+that stage's engine (`engines.wrap`), runs a warm-up step (AdamW creates its state, FSDP2 its
+buffers), then one measured step under `RankTracker` (every storage the rank holds, the model's own
+included, from before the engine wrapped it) and `CommCounter` (the collectives of the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from course_lib.measure import PlainTextTable, format_bytes, optimizer_state_tensors, storage_bytes
+from course_lib.sharding.engines import ENGINES, wrap
+from course_lib.sharding.launch import run_ranks
+from course_lib.sharding.tracking import CommCounter, RankTracker
+
+
+@dataclass
+class RankStep(PlainTextTable):
+    """What one rank held and sent in one training step, in bytes (lesson 6)."""
+
+    stage: str
+    engine: str
+    world_size: int
+    rank: int
+    parameters: int         # this rank's parameters (its shards under FSDP2), after the step
+    gradients: int          # this rank's gradients (shards under FSDP2), after the step
+    optimizer_state: int    # this rank's AdamW state
+    before_step: int        # everything live when the step starts (model states, engine buffers, batch)
+    peak: int               # the most live at any moment of forward, backward and the optimizer step
+    phase_peaks: dict
+    bytes_sent: int         # by this rank, ring algorithm, all collectives of the step
+    sent_by_collective: dict
+    calls: dict
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (f"{self.stage} ({self.engine}), rank {self.rank} of {self.world_size}: peak {format_bytes(self.peak)}, "
+                f"model states {format_bytes(self.model_states)} (parameters {format_bytes(self.parameters)}, "
+                f"gradients {format_bytes(self.gradients)}, optimizer {format_bytes(self.optimizer_state)}), "
+                f"sent {format_bytes(self.bytes_sent)}")
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The rank's own part of a DTensor (an FSDP2 shard); a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _step(model, optimizer, batch) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: int, seq: int, seed: int) -> RankStep:
+    torch.manual_seed(seed)
+    model = build()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(seed + rank)   # each rank trains on its own micro-batch
+    ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
+    batch = {"input_ids": ids, "labels": ids}
+    tracker, counter = RankTracker(), CommCounter(world_size)
+    for tensor in [*model.parameters(), *model.buffers(), ids]:
+        tracker.watch(tensor)
+    with tracker:
+        engine, optimizer = wrap(model, stage, world_size)
+        del model
+        _step(engine, optimizer, batch).backward()              # warm-up: optimizer state, engine buffers
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker.set_phase("forward")
+        before = tracker.current
+        with counter.counting():
+            loss = _step(engine, optimizer, batch)
+            tracker.set_phase("backward")
+            loss.backward()
+            del loss
+            tracker.set_phase("optimizer")
+            optimizer.step()
+    params = [_local(p) for p in engine.parameters()]
+    grads = [_local(p.grad) for p in engine.parameters()]
+    inner = getattr(optimizer, "optim", optimizer)              # ZeroRedundancyOptimizer's local AdamW
+    state = [_local(t) for t in optimizer_state_tensors(inner)]
+    peaks = {phase: tracker.phase_peaks[phase] for phase in ("forward", "backward", "optimizer")}
+    return RankStep(stage=stage, engine=ENGINES[stage], world_size=world_size, rank=rank,
+                    parameters=storage_bytes(params), gradients=storage_bytes(grads),
+                    optimizer_state=storage_bytes(state), before_step=before, peak=max(peaks.values()),
+                    phase_peaks=peaks, bytes_sent=counter.bytes_sent, sent_by_collective=dict(counter.sent),
+                    calls=dict(counter.calls))
+
+
+def _worker(rank: int, world_size: int, build, stages, batch_size: int, seq: int, seed: int) -> list[dict]:
+    return [_measure_stage(rank, world_size, build, stage, batch_size, seq, seed).to_dict() for stage in stages]
+
+
+def measure_sharding(build, world_size: int, stages=("none", "zero1", "zero2", "zero3"), *, batch: int = 2,
+                     seq: int = 64, seed: int = 0, timeout_s: float = 300.0) -> list[RankStep]:
+    """Every rank's memory and traffic for one step of each stage, in one spawn (lesson 6).
+
+    `build`: a picklable function returning a fresh fp32 Hugging Face causal LM (e.g.
+    `functools.partial(course_lib.checkpointing.tiny_decoder, "llama", n_layers=4)`); `batch` is
+    each rank's micro-batch. Returns one RankStep per (stage, rank), stage by stage.
+    """
+    unknown = [s for s in stages if s not in ENGINES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(map(repr, unknown))}: use {', '.join(ENGINES)}")
+    per_rank = run_ranks(_worker, world_size, build, tuple(stages), batch, seq, seed, timeout_s=timeout_s,
+                         what="sharding processes")
+    return [RankStep(**per_rank[r][i]) for i in range(len(stages)) for r in range(world_size)]
