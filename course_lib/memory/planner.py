@@ -81,7 +81,9 @@ class Plan:
         }
 
     def rows(self) -> list[tuple[str, int]]:
-        return [(c, self.bytes[c]) for c in CATEGORIES]
+        """(category, bytes); `sharding_buffers` (before the total) only in a plan with --gpus (lesson 6)."""
+        shown = [c for c in CATEGORIES if c != "total"] + ["sharding_buffers"] * ("sharding_buffers" in self.bytes)
+        return [(c, self.bytes[c]) for c in shown + ["total"]]
 
     def __str__(self) -> str:
         head = self.model if self.model.endswith("parameters") else f"{self.model}: {self.n_params:,} parameters"
@@ -91,11 +93,16 @@ class Plan:
                  + (f", {self.setup.quant}" if self.setup.quant != "none" else "")
                  + f", batch {self.setup.batch} x seq {self.setup.seq}"
                  + (f" x accum {self.setup.accum}" if self.setup.accum > 1 else "")
-                 + (f", checkpointing {self.setup.checkpointing}" if self.setup.checkpointing != "none" else "")]
+                 + (f", checkpointing {self.setup.checkpointing}" if self.setup.checkpointing != "none" else "")
+                 + (f", {self.setup.gpus} GPUs, shard {self.setup.shard} (one GPU's share)"
+                    if self.setup.gpus is not None else "")]
         for name, value in self.rows():
             shown = "unknown (no model shapes)" if name == "activations" and not self.activations_known \
                 else f"{value / GiB:10.2f} GiB"
             lines.append(f"  {name:<21} {shown}")
+        if self.setup.gpus is not None:
+            states = sum(self.bytes[c] for c in ("weights", "gradients", "optimizer_state", "master_weights"))
+            lines.append(f"  model states per GPU: {states / 1e9:.2f} GB (10^9 bytes, the ZeRO paper's unit)")
         lines.append(self.verdict())
         if self.tricks:
             lines.append("What makes it fit, in order (each on top of the ones before):")
@@ -206,6 +213,14 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     if setup.accum > 1:
         notes.append(f"effective batch {setup.batch * setup.accum} = micro-batch {setup.batch} x {setup.accum} "
                      "accumulation steps; gradients stay allocated during the micro-batches")
+    if setup.gpus is not None:
+        from course_lib.memory.sharded import sharded_values
+
+        trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
+        values, shard_detail, shard_notes = sharded_values(spec, setup, values, trace,
+                                                           [math.prod(s) for s in states.trainable_shapes])
+        detail.update(shard_detail)
+        notes += shard_notes
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
 
 

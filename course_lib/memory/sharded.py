@@ -1,0 +1,153 @@
+"""One GPU's share when N GPUs train together: ZeRO's stages on the engines that implement them
+(lesson 6, "the planner shards").
+
+`gpus=N, shard=...` plans one rank; the batch is that rank's micro-batch. Model states are
+partitioned as ZeRO's paper counts them (Rajbhandari et al. 2020, Figure 1):
+
+    none   DDP: weights, gradients, optimizer state and master weights on every GPU
+    zero1  optimizer state and master weights / N
+    zero2  gradients / N too
+    zero3  weights / N too
+
+With `--params` only, that is the whole prediction (the paper's arithmetic). With a model, the plan
+adds what the real engine adds on top (`course_lib.sharding.engines` says which engine stands for
+which stage), under `sharding_buffers`:
+
+- none, zero1 (DDP; zero1 with ZeroRedundancyOptimizer): DDP's gradient buckets, one more copy of the
+  gradients (torch/nn/parallel/distributed.py, gradient_as_bucket_view=False by default); zero1 splits
+  the optimizer state by whole tensors, sorted-greedy (torch/distributed/optim/zero_redundancy_optimizer.py
+  `_partition_parameters`): the plan is the rank with the largest share.
+- zero2, zero3 (FSDP2): each parameter is cut along dim 0 into N padded chunks (`_fsdp_param.py`);
+  in forward the root's parameters (embeddings, final norm, output layer) stay gathered, and the running
+  layer is gathered into a flat all-gather buffer and copied out into its parameters (2 layers' worth
+  while both exist); in backward the layer running, the next one prefetched and the layer's unsharded
+  gradients (3 layers' worth) on top of the root; zero2 (reshard_after_forward=False) keeps every
+  layer gathered from its forward to its backward.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from course_lib.memory.setup import PlanError, Setup
+from course_lib.models import ModelSpec
+
+SHARDS = ("none", "zero1", "zero2", "zero3")
+# what each stage divides by N, as the paper counts it
+PARTITIONED = {"none": (), "zero1": ("optimizer_state", "master_weights"),
+               "zero2": ("optimizer_state", "master_weights", "gradients"),
+               "zero3": ("optimizer_state", "master_weights", "gradients", "weights")}
+_LAYER = re.compile(r"^(.*?\.(?:layers|h)\.\d+)\.")
+
+
+def validate(setup: Setup) -> None:
+    """PlanError for gpus < 1, an unknown stage, or a stage without gpus (lesson 6)."""
+    if setup.gpus is not None and (isinstance(setup.gpus, bool) or not isinstance(setup.gpus, int) or setup.gpus < 1):
+        raise PlanError(f"gpus must be a positive integer (how many GPUs train together), got {setup.gpus!r}")
+    if setup.shard not in SHARDS:
+        raise PlanError(f"unknown shard stage {setup.shard!r}: use one of {', '.join(SHARDS)}")
+    if setup.shard != "none" and setup.gpus is None:
+        raise PlanError(f"--shard {setup.shard} needs --gpus N: how many GPUs share the model states")
+
+
+def layer_and_root_numels(spec: ModelSpec) -> tuple[list[int], int]:
+    """Parameters of each decoder layer (an FSDP2 group each) and of the rest (the root's group)."""
+    layers: dict[str, int] = {}
+    root = 0
+    for info in spec.params:
+        match = _LAYER.match(info.name)
+        if match:
+            layers[match.group(1)] = layers.get(match.group(1), 0) + info.numel
+        else:
+            root += info.numel
+    return list(layers.values()), root
+
+
+def fsdp_fraction(spec: ModelSpec, n: int) -> float:
+    """The fraction of the parameters rank 0 holds under FSDP2: dim 0 cut in N chunks, padded."""
+    local = sum(math.ceil(info.shape[0] / n) * info.numel // max(info.shape[0], 1) if info.shape else info.numel
+                for info in spec.params)
+    return local / spec.n_params
+
+
+def zero1_shares(numels: list[int], n: int) -> list[int]:
+    """Elements of optimizer state each rank owns under ZeroRedundancyOptimizer: largest tensor first,
+    each to the rank with the fewest so far (torch's sorted-greedy partition)."""
+    sizes = [0] * n
+    for numel in sorted(numels, reverse=True):
+        sizes[sizes.index(min(sizes))] += numel
+    return sizes
+
+
+def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=None,
+                   trainable: list[int] = ()) -> tuple[dict, dict, list[str]]:
+    """One rank's bytes by category for `setup.gpus` GPUs at stage `setup.shard` (lesson 6).
+
+    `values`: the single-GPU plan's bytes; `trace`: its meta-device trace (None with --params only);
+    `trainable`: the trained tensors' sizes (ZeroRedundancyOptimizer partitions them)."""
+    n, stage = setup.gpus, setup.shard
+    out = dict(values)
+    detail: dict = {"gpus": n, "shard": stage}
+    notes = []
+    if spec is None:  # the paper's arithmetic: model states only
+        for category in PARTITIONED[stage]:
+            out[category] = math.ceil(values[category] / n)
+        out["sharding_buffers"] = 0
+        out["total"] = sum(out[c] for c in ("weights", "gradients", "optimizer_state", "master_weights",
+                                            "quantization", "overhead"))
+        notes.append("sharding: model states only (the ZeRO paper's arithmetic); name a model for the buffers "
+                     "the engines add and for activations")
+        return out, detail, notes
+
+    grads, weight_bytes = values["gradients"], values["weights"] + values["quantization"]
+    if stage in ("none", "zero1"):
+        buckets = grads  # DDP's buckets: one more copy of the gradients
+        out["sharding_buffers"] = buckets
+        if stage == "zero1":
+            shares = zero1_shares(list(trainable), n)
+            share = max(shares) / sum(shares)
+            detail["zero1_rank_shares"] = [s / sum(shares) for s in shares]
+            for category in ("optimizer_state", "master_weights"):
+                out[category] = round(values[category] * share)
+        saved = sum(values[c] - out[c] for c in ("optimizer_state", "master_weights"))
+        out["total"] = values["total"] + buckets - saved
+        notes.append(f"sharding {stage}: DDP's gradient buckets ({_gb(buckets)}) are a second copy of the gradients")
+        return out, detail, notes
+
+    # FSDP2: shards of everything, plus the gathered layers and the unsharded gradients of one layer
+    fraction = fsdp_fraction(spec, n)
+    for category in ("weights", "gradients", "optimizer_state", "master_weights", "quantization"):
+        out[category] = round(values[category] * fraction)
+    layers, root = layer_and_root_numels(spec)
+    per_param = weight_bytes / spec.n_params  # the dtype the layers compute in
+    largest, root_bytes = max(layers) * per_param, root * per_param
+    all_layers = sum(layers) * per_param
+    grad_per_param = grads / max(spec.n_params, 1)
+    if stage == "zero3":
+        forward_buffers = root_bytes + 2 * largest
+        backward_buffers = root_bytes + 2 * largest + largest * grad_per_param / per_param
+    else:
+        forward_buffers = root_bytes + all_layers + largest
+        backward_buffers = root_bytes + all_layers + 2 * largest * grad_per_param / per_param
+    states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
+    batch = 2 * setup.batch * setup.seq * 8
+    forward = states + batch + trace.forward_peak_without_grads + forward_buffers
+    backward = states + batch + max(trace.layer_backward_peak_without_grads,
+                                    trace.head_backward_peak_without_grads) + backward_buffers
+    step = states + out["gradients"] + batch + values["optimizer_temporaries"] * fraction
+    peak = max(forward, backward, step)
+    out["sharding_buffers"] = round(max(forward_buffers, backward_buffers))
+    out["activations"] = max(0, round(peak - states - out["gradients"] - out["sharding_buffers"]))
+    out["optimizer_temporaries"] = 0
+    out["total"] = round(peak) + values["overhead"]
+    detail.update(forward_peak=round(forward), backward_peak=round(backward), optimizer_step_peak=round(step))
+    notes.append(f"sharding {stage} (FSDP2): root parameters {_gb(root_bytes)} gathered, one layer "
+                 f"{_gb(largest)}; {'every layer stays gathered from forward to backward' if stage == 'zero2' else 'two layers gathered at a time, plus one layer of unsharded gradients'}")
+    return out, detail, notes
+
+
+def _gb(n: float) -> str:
+    from course_lib.measure import format_bytes
+
+    return format_bytes(n)
