@@ -17,12 +17,13 @@ which stage), under `sharding_buffers`:
   gradients (torch/nn/parallel/distributed.py, gradient_as_bucket_view=False by default); zero1 splits
   the optimizer state by whole tensors, sorted-greedy (torch/distributed/optim/zero_redundancy_optimizer.py
   `_partition_parameters`): the plan is the rank with the largest share.
-- zero2, zero3 (FSDP2): each parameter is cut along dim 0 into N padded chunks (`_fsdp_param.py`);
-  in forward the root's parameters (embeddings, final norm, output layer) stay gathered, and the running
-  layer is gathered into a flat all-gather buffer and copied out into its parameters (2 layers' worth
-  while both exist); in backward the layer running, the next one prefetched and the layer's unsharded
-  gradients (3 layers' worth) on top of the root; zero2 (reshard_after_forward=False) keeps every
-  layer gathered from its forward to its backward.
+- zero2, zero3 (FSDP2): each parameter is cut along dim 0 into N padded chunks (`_fsdp_param.py`).
+  The root's parameters (embeddings, final norm, output layer) stay gathered through forward and
+  backward; forward peaks at the output layer and the loss, with the last layer's flat all-gather
+  buffer still held (`_fsdp_collectives.py` foreach_all_gather); in backward zero3 holds the layer
+  running and the next one prefetched, plus the running layer's unsharded gradients until its
+  reduce-scatter; zero2 (reshard_after_forward=False) keeps every layer gathered from its forward
+  to its backward and gathers nothing in backward. `benchmarks/sharding_accuracy.py` measures it.
 """
 
 from __future__ import annotations
@@ -123,18 +124,21 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     per_param = weight_bytes / spec.n_params  # the dtype the layers compute in
     largest, root_bytes = max(layers) * per_param, root * per_param
     all_layers = sum(layers) * per_param
-    grad_per_param = grads / max(spec.n_params, 1)
-    if stage == "zero3":
-        forward_buffers = root_bytes + 2 * largest
-        backward_buffers = root_bytes + 2 * largest + largest * grad_per_param / per_param
-    else:
-        forward_buffers = root_bytes + all_layers + largest
-        backward_buffers = root_bytes + all_layers + 2 * largest * grad_per_param / per_param
+    grad_ratio = grads / max(weight_bytes, 1)  # gradient bytes per weight byte (1 for a full fine-tune)
+    gathered = root_bytes + (all_layers if stage == "zero2" else 0)  # gathered throughout forward and backward
+    prefetched = largest if stage == "zero3" else 0  # zero2 gathers nothing in backward
     states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
-    forward = states + batch + trace.forward_peak_without_grads + forward_buffers
-    backward = states + batch + max(trace.layer_backward_peak_without_grads,
-                                    trace.head_backward_peak_without_grads) + backward_buffers
+    # forward peaks at the output layer and the loss: one layer's flat all-gather buffer is still held
+    forward = states + batch + trace.forward_peak_without_grads + gathered + largest
+    # backward at the output layer: the last layer prefetched (zero3)
+    head = states + batch + trace.head_backward_peak_without_grads + gathered + prefetched
+    # backward in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients
+    layers_peak = states + batch + trace.layer_backward_peak_without_grads + gathered + 2 * prefetched \
+        + largest * grad_ratio
+    backward = max(head, layers_peak)
+    forward_buffers = gathered + largest
+    backward_buffers = gathered + max(prefetched, 2 * prefetched + largest * grad_ratio)
     step = states + out["gradients"] + batch + values["optimizer_temporaries"] * fraction
     peak = max(forward, backward, step)
     out["sharding_buffers"] = round(max(forward_buffers, backward_buffers))

@@ -1,7 +1,7 @@
 """Start N CPU processes that form one gloo process group on 127.0.0.1 (lessons 2 and 6).
 
-`run_ranks(worker, world_size, *args)` spawns `world_size` fresh Python processes (start method
-"spawn"), each joins a gloo group on a free local port, calls `worker(rank, world_size, *args)` and
+`run_ranks(worker, world_size, *args)` starts `world_size` Python processes (from the fork server),
+each joins a gloo group on a free local port, calls `worker(rank, world_size, *args)` and
 hands its (picklable) result back; the results come back in rank order. Processes that do not
 finish within `timeout_s` are killed and a TimeoutError is raised; a rank that fails raises in the
 caller with that rank's error.
@@ -41,18 +41,29 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
         dist.destroy_process_group()
 
 
+# imported once by the fork server, before any rank is forked from it
+PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.qwen2.modeling_qwen2", "course_lib.sharding"]
+
+
 def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0, what: str = "processes") -> list:
     """`worker(rank, world_size, *args)` in `world_size` gloo processes; their results in rank order.
 
-    `worker` must be importable by name (a module-level function): spawned processes import it.
+    `worker` must be importable by name (a module-level function). The processes are forked from
+    Python's fork server: a clean process started at the first call, which imports torch and
+    transformers once (`PRELOAD`), so that each rank and each later call starts in a fraction of a
+    second instead of importing them again; the caller's own state (threads, tensors) is never forked.
     """
+    import multiprocessing.forkserver
+
     import torch.multiprocessing as mp
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, timeout_s, worker, args),
-                                     nprocs=world_size, join=False, start_method="spawn")
+                                     nprocs=world_size, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=0.5):
