@@ -3,12 +3,13 @@
 `measure_sharding(model, world_size, stages)` starts `world_size` gloo processes once; inside them
 each stage in turn builds the same Hugging Face model from its config (same seed), wraps it with
 that stage's engine (`engines.wrap`), runs a warm-up step (AdamW creates its state, FSDP2 its
-buffers), then one measured step under `RankTracker` (every storage the rank holds, the model's own
+buffers), then one measured step (optionally K accumulated micro-batches) under `RankTracker` (every storage the rank holds, the model's own
 included, from before the engine wrapped it) and `CommCounter` (the collectives of the step).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,6 +28,9 @@ class RankStep(PlainTextTable):
     engine: str
     world_size: int
     rank: int
+    micro_batches: int      # micro-batches in the measured step (gradient accumulation)
+    skip_sync: bool         # all but the last micro-batch skip the gradient sync (DDP no_sync, FSDP2
+                            # set_requires_gradient_sync(False))
     parameters: int         # this rank's parameters (its shards under FSDP2), after the step
     gradients: int          # this rank's gradients (shards under FSDP2), after the step
     optimizer_state: int    # this rank's AdamW state
@@ -56,11 +60,20 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _step(model, optimizer, batch) -> torch.Tensor:
+def _loss(model, batch) -> torch.Tensor:
     return model(**batch).loss
 
 
-def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: int, seq: int, seed: int) -> RankStep:
+def _no_sync(engine, skip: bool):
+    """The context of a micro-batch whose gradients are not synchronised (lesson 2's no_sync; lesson 6)."""
+    if hasattr(engine, "set_requires_gradient_sync"):  # FSDP2: keeps this micro-batch's gradients unsharded
+        engine.set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
+    return engine.no_sync() if skip else contextlib.nullcontext()
+
+
+def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: int, seq: int, seed: int,
+                   micro_batches: int = 1, skip_sync: bool = False) -> RankStep:
     torch.manual_seed(seed)
     model = build()
     vocab = model.config.vocab_size
@@ -73,16 +86,19 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
     with tracker:
         engine, optimizer = wrap(model, stage, world_size)
         del model
-        _step(engine, optimizer, batch).backward()              # warm-up: optimizer state, engine buffers
+        _loss(engine, batch).backward()                       # warm-up: optimizer state, engine buffers
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tracker.set_phase("forward")
         before = tracker.current
         with counter.counting():
-            loss = _step(engine, optimizer, batch)
-            tracker.set_phase("backward")
-            loss.backward()
-            del loss
+            for i in range(micro_batches):
+                with _no_sync(engine, skip_sync and i < micro_batches - 1):
+                    tracker.set_phase("forward")
+                    loss = _loss(engine, batch) / micro_batches
+                    tracker.set_phase("backward")
+                    loss.backward()
+                    del loss
             tracker.set_phase("optimizer")
             optimizer.step()
     params = [_local(p) for p in engine.parameters()]
@@ -91,27 +107,36 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
     state = [_local(t) for t in optimizer_state_tensors(inner)]
     peaks = {phase: tracker.phase_peaks[phase] for phase in ("forward", "backward", "optimizer")}
     return RankStep(stage=stage, engine=ENGINES[stage], world_size=world_size, rank=rank,
+                    micro_batches=micro_batches, skip_sync=skip_sync,
                     parameters=storage_bytes(params), gradients=storage_bytes(grads),
                     optimizer_state=storage_bytes(state), before_step=before, peak=max(peaks.values()),
                     phase_peaks=peaks, bytes_sent=counter.bytes_sent, sent_by_collective=dict(counter.sent),
                     calls=dict(counter.calls))
 
 
-def _worker(rank: int, world_size: int, build, stages, batch_size: int, seq: int, seed: int) -> list[dict]:
-    return [_measure_stage(rank, world_size, build, stage, batch_size, seq, seed).to_dict() for stage in stages]
+def _worker(rank: int, world_size: int, build, runs, batch_size: int, seq: int, seed: int,
+            micro_batches: int) -> list[dict]:
+    return [_measure_stage(rank, world_size, build, stage, batch_size, seq, seed, micro_batches, skip).to_dict()
+            for stage, skip in runs]
 
 
 def measure_sharding(build, world_size: int, stages=("none", "zero1", "zero2", "zero3"), *, batch: int = 2,
-                     seq: int = 64, seed: int = 0, timeout_s: float = 300.0) -> list[RankStep]:
-    """Every rank's memory and traffic for one step of each stage, in one spawn (lesson 6).
+                     seq: int = 64, seed: int = 0, micro_batches: int = 1, skip_sync=(False,),
+                     timeout_s: float = 300.0) -> list[RankStep]:
+    """Every rank's memory and traffic for one step of each stage, in one start of the processes (lesson 6).
 
     `build`: a picklable function returning a fresh fp32 Hugging Face causal LM (e.g.
     `functools.partial(course_lib.checkpointing.tiny_decoder, "llama", n_layers=4)`); `batch` is
-    each rank's micro-batch. Returns one RankStep per (stage, rank), stage by stage.
+    each rank's micro-batch; `micro_batches` > 1 accumulates gradients over that many, once for each
+    value of `skip_sync` (False: sync every micro-batch; True: only the last, lesson 2's no_sync).
+    Returns one RankStep per (stage, skip_sync, rank), in that order.
     """
     unknown = [s for s in stages if s not in ENGINES]
     if unknown:
         raise ValueError(f"unknown stage(s) {', '.join(map(repr, unknown))}: use {', '.join(ENGINES)}")
-    per_rank = run_ranks(_worker, world_size, build, tuple(stages), batch, seq, seed, timeout_s=timeout_s,
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    runs = [(stage, bool(skip)) for stage in stages for skip in skip_sync]
+    per_rank = run_ranks(_worker, world_size, build, runs, batch, seq, seed, micro_batches, timeout_s=timeout_s,
                          what="sharding processes")
-    return [RankStep(**per_rank[r][i]) for i in range(len(stages)) for r in range(world_size)]
+    return [RankStep(**per_rank[r][i]) for i in range(len(runs)) for r in range(world_size)]
