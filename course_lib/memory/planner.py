@@ -249,16 +249,22 @@ def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[st
     return []
 
 
+def checkpointing_changes(trace, setup: Setup):
+    """Lesson 3's cost of the setup's checkpointing plan on this trace: (the plan's cost, the change of
+    the bytes held through forward (<= 0), the change of the backward peak)."""
+    n = len(trace.saved)
+    none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
+    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, checkpointing.named_plan(n, setup.checkpointing),
+                                     output_bytes=trace.output)
+    return chosen, chosen.forward_bytes - none.forward_bytes, chosen.peak_bytes - none.peak_bytes
+
+
 def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
     """The most a step adds on top of all model states (activations, temporaries), and details."""
 
     trace = trace_step(spec, setup, target)
     n = len(trace.saved)
-    none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
-    segments = checkpointing.named_plan(n, setup.checkpointing)
-    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, segments, output_bytes=trace.output)
-    held_change = chosen.forward_bytes - none.forward_bytes   # <= 0: what checkpointing drops
-    peak_change = chosen.peak_bytes - none.peak_bytes
+    chosen, held_change, peak_change = checkpointing_changes(trace, setup)
     grads = states.gradients
     if setup.accum > 1:  # gradients of earlier micro-batches are live throughout; new ones are added in
         largest_grad = max(math.prod(s) for s in states.trainable_shapes) * states.grad_itemsize

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 
-from course_lib.memory.setup import PlanError, Setup
+from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.models import ModelSpec
 
 SHARDS = ("none", "zero1", "zero2", "zero3")
@@ -129,12 +129,15 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     prefetched = largest if stage == "zero3" else 0  # zero2 gathers nothing in backward
     states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
+    from course_lib.memory.planner import checkpointing_changes
+
+    _, held, changed = checkpointing_changes(trace, setup)  # lesson 3's plan, as for one GPU
     # forward peaks at the output layer and the loss: one layer's flat all-gather buffer is still held
-    forward = states + batch + trace.forward_peak_without_grads + gathered + largest
+    forward = states + batch + trace.forward_peak_without_grads + held + gathered + largest
     # backward at the output layer: the last layer prefetched (zero3)
-    head = states + batch + trace.head_backward_peak_without_grads + gathered + prefetched
+    head = states + batch + trace.head_backward_peak_without_grads + held + gathered + prefetched
     # backward in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients
-    layers_peak = states + batch + trace.layer_backward_peak_without_grads + gathered + 2 * prefetched \
+    layers_peak = states + batch + trace.layer_backward_peak_without_grads + changed + gathered + 2 * prefetched \
         + largest * grad_ratio
     backward = max(head, layers_peak)
     forward_buffers = gathered + largest
@@ -155,3 +158,19 @@ def _gb(n: float) -> str:
     from course_lib.measure import format_bytes
 
     return format_bytes(n)
+
+
+def offload_prediction(plan) -> dict[str, int]:
+    """Bytes on the GPU, in CPU RAM and over PCIe per step for a zero3 plan under FSDP2's
+    CPUOffloadPolicy (lesson 6, "offloading the shards"): the shards of weights, gradients and optimizer
+    state move to CPU RAM and the optimizer step runs there; before each of a layer's two all-gathers
+    its fp32 weight shard is copied to the GPU, and each gradient shard is copied back
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `all_gather_inputs`, _fsdp_collectives.py
+    `foreach_reduce`)."""
+    if plan.setup.gpus is None or plan.setup.shard != "zero3":
+        raise PlanError("offload_prediction takes a plan with gpus=N and shard='zero3'")
+    b = plan.bytes
+    shards = b["weights"] + b["gradients"] + b["optimizer_state"] + b["master_weights"]
+    fp32_weights = b["master_weights"] or b["weights"] * 4 // itemsize(plan.setup.weight_dtype)
+    fp32_grads = fp32_weights * plan.trainable_params // max(plan.n_params, 1)  # shards in the parameter's dtype
+    return {"gpu": plan.total - shards, "cpu": shards, "pcie_per_step": 2 * fp32_weights + fp32_grads}

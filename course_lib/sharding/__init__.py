@@ -9,8 +9,8 @@ per rank in gloo processes on one machine (lesson 6).
 
 from course_lib.sharding.engines import ENGINES, STAGES, decoder_layers, wrap
 from course_lib.sharding.launch import free_port, run_ranks
-from course_lib.sharding.measuring import RankStep, measure_sharding
+from course_lib.sharding.measuring import RankStep, measure_offload_on_cuda, measure_sharding
 from course_lib.sharding.tracking import CommCounter, RankTracker
 
 __all__ = ["ENGINES", "STAGES", "decoder_layers", "wrap", "free_port", "run_ranks", "RankStep",
-           "measure_sharding", "CommCounter", "RankTracker"]
+           "measure_offload_on_cuda", "measure_sharding", "CommCounter", "RankTracker"]

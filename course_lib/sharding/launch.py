@@ -27,12 +27,12 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, worker: Callable,
-           args: tuple) -> None:
+           args: tuple, backend: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = worker(rank, world_size, *args)
@@ -46,10 +46,12 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.mode
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.qwen2.modeling_qwen2", "course_lib.sharding"]
 
 
-def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0, what: str = "processes") -> list:
+def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0, what: str = "processes",
+              backend: str = "gloo") -> list:
     """`worker(rank, world_size, *args)` in `world_size` gloo processes; their results in rank order.
 
-    `worker` must be importable by name (a module-level function). The processes are forked from
+    `worker` must be importable by name (a module-level function); `backend` is torch.distributed's
+    ("gloo" on CPU; "cuda:nccl,cpu:gloo" for one GPU per rank). The processes are forked from
     Python's fork server: a clean process started at the first call, which imports torch and
     transformers once (`PRELOAD`), so that each rank and each later call starts in a fraction of a
     second instead of importing them again; the caller's own state (threads, tensors) is never forked.
@@ -62,7 +64,7 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, timeout_s, worker, args),
+        context = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, timeout_s, worker, args, backend),
                                      nprocs=world_size, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s
         try:

@@ -140,3 +140,41 @@ def measure_sharding(build, world_size: int, stages=("none", "zero1", "zero2", "
     per_rank = run_ranks(_worker, world_size, build, runs, batch, seq, seed, micro_batches, timeout_s=timeout_s,
                          what="sharding processes")
     return [RankStep(**per_rank[r][i]) for i in range(len(runs)) for r in range(world_size)]
+
+
+def _offload_worker(rank: int, world_size: int, build, batch_size: int, seq: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from course_lib.sharding.engines import decoder_layers
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = build()
+    options = dict(mesh=init_device_mesh("cuda", (world_size,)), reshard_after_forward=True,
+                   offload_policy=CPUOffloadPolicy())
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, seq), device=device)
+    for step in range(2):  # the first creates AdamW's state (in CPU RAM) and FSDP2's buffers
+        if step == 1:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+            "parameters_on": str(next(model.parameters()).to_local().device)}
+
+
+def measure_offload_on_cuda(build, *, batch: int = 2, seq: int = 64, timeout_s: float = 300.0) -> dict:
+    """One FSDP2 zero3 step with CPUOffloadPolicy on one CUDA GPU, in its own process: the GPU's peak
+    (the caching allocator's) and where the parameters live (lesson 6, "offloading the shards")."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("measure_offload_on_cuda needs a CUDA GPU")
+    return run_ranks(_offload_worker, 1, build, batch, seq, timeout_s=timeout_s, what="offload processes",
+                     backend="cuda:nccl,cpu:gloo")[0]
