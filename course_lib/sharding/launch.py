@@ -68,7 +68,7 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
                                      nprocs=world_size, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s
         try:
-            while not context.join(timeout=0.5):
+            while not context.join(timeout=min(0.5, max(deadline - time.monotonic(), 0.001))):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the {world_size} {what} did not finish within {timeout_s:.0f} s")
         finally:
