@@ -8,7 +8,7 @@ import pytest
 
 from course_lib import cli
 from course_lib.checkpointing.demo_models import tiny_decoder
-from course_lib.memory import PlanError, plan
+from course_lib.memory import PlanError, offload_prediction, plan
 from course_lib.models import spec_from_model
 from course_lib.sharding import STAGES, measure_sharding, run_ranks
 from course_lib.sharding.engines import wrap
@@ -109,3 +109,12 @@ def _slow(rank, world_size):
 def test_ranks_that_overrun_are_killed():
     with pytest.raises(TimeoutError, match="did not finish"):
         run_ranks(_slow, 1, timeout_s=1)
+
+
+def test_offload_moves_the_shards_and_nothing_else():
+    p = plan(int(7.5e9), precision="mixed-bf16", gpus=64, shard="zero3")
+    off = offload_prediction(p)
+    assert off["gpu"] + off["cpu"] == p.total and off["cpu"] == pytest.approx(16 * 7.5e9 / 64, abs=64)
+    assert off["pcie_per_step"] == pytest.approx(3 * 4 * 7.5e9 / 64, abs=64)  # two fp32 weight copies in, one out
+    with pytest.raises(PlanError, match="zero3"):
+        offload_prediction(plan(int(7.5e9), precision="mixed-bf16", gpus=64, shard="zero2"))

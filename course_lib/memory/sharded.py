@@ -24,6 +24,9 @@ which stage), under `sharding_buffers`:
   running and the next one prefetched, plus the running layer's unsharded gradients until its
   reduce-scatter; zero2 (reshard_after_forward=False) keeps every layer gathered from its forward
   to its backward and gathers nothing in backward. `benchmarks/sharding_accuracy.py` measures it.
+  With a model, zero2's `weights` are FSDP2's shards and the gathered copies are `sharding_buffers`.
+  Under mixed precision FSDP2 keeps fp32 shards of weights and gradients (no 16-bit shard); the
+  categories stay the paper's (2 + 2 + 12 bytes per parameter), whose sum, 16/N, is the same.
 """
 
 from __future__ import annotations
