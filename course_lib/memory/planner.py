@@ -97,12 +97,12 @@ class Plan:
                  + (f", {self.setup.gpus} GPUs, shard {self.setup.shard} (one GPU's share)"
                     if self.setup.gpus is not None else "")]
         for name, value in self.rows():
-            shown = "unknown (no model shapes)" if name == "activations" and not self.activations_known \
+            shown = "unknown (no model shapes)" if name in ("activations", "sharding_buffers") and not self.activations_known \
                 else f"{value / GiB:10.2f} GiB"
             lines.append(f"  {name:<21} {shown}")
         if self.setup.gpus is not None:
             states = sum(self.bytes[c] for c in ("weights", "gradients", "optimizer_state", "master_weights"))
-            lines.append(f"  model states per GPU: {states / 1e9:.2f} GB (10^9 bytes, the ZeRO paper's unit)")
+            lines.append(f"  model states per GPU: {states / 1e9:.3f} GB (10^9 bytes, the ZeRO paper's unit)")
         lines.append(self.verdict())
         if self.tricks:
             lines.append("What makes it fit, in order (each on top of the ones before):")
