@@ -18,8 +18,9 @@ that keep exactly, or nearly, that:
 - "zero3": FSDP2 with `reshard_after_forward=True` on every group, the root too: parameters,
            gradients and optimizer state sharded; each layer's parameters are all-gathered in forward,
            freed, and all-gathered again in backward (FSDP1's FULL_SHARD).
-- "zero3-offload": "zero3" with `CPUOffloadPolicy()`: the shards of parameters, gradients and optimizer
-           state live in CPU memory, the optimizer step runs on the CPU (ZeRO-Offload's split).
+
+"zero3" with FSDP2's `CPUOffloadPolicy` (the shards in CPU memory, the optimizer step on the CPU,
+ZeRO-Offload's split) only means something with a GPU: `measuring.measure_offload_on_cuda`.
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-STAGES = ("none", "zero1", "zero2", "zero3")
 ENGINES = {
     "none": "DDP",
     "zero1": "DDP + ZeroRedundancyOptimizer",
     "zero2": "FSDP2, reshard_after_forward=False",
     "zero3": "FSDP2, reshard_after_forward=True",
-    "zero3-offload": "FSDP2, reshard_after_forward=True, CPUOffloadPolicy",
 }
+STAGES = tuple(ENGINES)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -66,11 +66,9 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3):
             return ddp, torch.optim.AdamW(ddp.parameters(), lr=lr)
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    options = dict(mesh=mesh, reshard_after_forward=stage != "zero2",
-                   offload_policy=CPUOffloadPolicy(pin_memory=False) if stage == "zero3-offload" else OffloadPolicy())
+    options = dict(mesh=init_device_mesh("cpu", (world_size,)), reshard_after_forward=stage == "zero3")
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(model, **options)
