@@ -5,7 +5,8 @@ For each tiny Hugging Face model (fp32, AdamW) and each world size, one spawn of
 this machine runs one training step of every stage (`course_lib.sharding.measure_sharding`: DDP,
 DDP + ZeroRedundancyOptimizer, FSDP2 without and with resharding after forward), each rank's peak
 measured by the live-storage tracker (the lower of two measured steps: gloo's thread may hold a buffer a
-moment longer on a busy CPU; the table shows by how much the two differ); `course_lib.memory.plan(..., gpus=N, shard=stage)` predicts it.
+moment longer on a busy CPU; the table shows by how much the two differ);
+`course_lib.memory.plan(..., gpus=N, shard=stage)` predicts it.
 The goal: every row within 10%. Exit status 1 when a row misses it.
 
     .venv/bin/python benchmarks/sharding_accuracy.py            # 3 models x 2 world sizes, a few minutes
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
         error = r["predicted"] / r["measured"] - 1
         worst = max(worst, abs(error))
         print(f"{r['model']:<9} {r['n']:>2} {r['stage']:<6} {r['rank']:>4} {r['predicted'] / MiB:7.2f} MiB "
-              f"{r['measured'] / MiB:7.2f} MiB {error:+7.1%}  {r['predicted_states'] / MiB:7.2f}/{r['states'] / MiB:5.2f} MiB"
+              f"{r['measured'] / MiB:7.2f} MiB {error:+7.1%}  "
+              f"{r['predicted_states'] / MiB:7.2f}/{r['states'] / MiB:5.2f} MiB"
               f"  {r['sent'] / MiB:5.2f} MiB  {r['jitter'] / MiB:13.2f} MiB")
     met = worst <= GOAL
     print(f"worst row {worst:.1%} (goal: every row within {GOAL:.0%}): {'met' if met else 'MISSED'}; "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import re
 
+from course_lib.measure import format_bytes
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.models import ModelSpec
 
@@ -53,6 +54,9 @@ def validate(setup: Setup) -> None:
         raise PlanError(f"unknown shard stage {setup.shard!r}: use one of {', '.join(SHARDS)}")
     if setup.shard != "none" and setup.gpus is None:
         raise PlanError(f"--shard {setup.shard} needs --gpus N: how many GPUs share the model states")
+    if setup.shard in ("zero2", "zero3") and setup.quant != "none":
+        raise PlanError(f"--shard {setup.shard} with --quant {setup.quant}: FSDP of a 4-bit base is not modelled; "
+                        "plan QLoRA on one GPU (no --gpus) or shard a 16-bit model")
 
 
 def layer_and_root_numels(spec: ModelSpec) -> tuple[list[int], int]:
@@ -116,7 +120,8 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
                 out[category] = round(values[category] * share)
         saved = sum(values[c] - out[c] for c in ("optimizer_state", "master_weights"))
         out["total"] = values["total"] + buckets - saved
-        notes.append(f"sharding {stage}: DDP's gradient buckets ({_gb(buckets)}) are a second copy of the gradients")
+        notes.append(f"sharding {stage}: DDP's gradient buckets ({format_bytes(buckets)}) are a second copy of the "
+                     "gradients")
         return out, detail, notes
 
     # FSDP2: shards of everything, plus the gathered layers and the unsharded gradients of one layer
@@ -152,15 +157,11 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     out["optimizer_temporaries"] = 0
     out["total"] = round(peak) + values["overhead"]
     detail.update(forward_peak=round(forward), backward_peak=round(backward), optimizer_step_peak=round(step))
-    notes.append(f"sharding {stage} (FSDP2): root parameters {_gb(root_bytes)} gathered, one layer "
-                 f"{_gb(largest)}; {'every layer stays gathered from forward to backward' if stage == 'zero2' else 'two layers gathered at a time, plus one layer of unsharded gradients'}")
+    held_layers = "every layer stays gathered from its forward to its backward" if stage == "zero2" else \
+        "two layers gathered at a time in backward, plus one layer of unsharded gradients"
+    notes.append(f"sharding {stage} (FSDP2): root parameters {format_bytes(root_bytes)} gathered, one layer "
+                 f"{format_bytes(largest)}; {held_layers}")
     return out, detail, notes
-
-
-def _gb(n: float) -> str:
-    from course_lib.measure import format_bytes
-
-    return format_bytes(n)
 
 
 def offload_prediction(plan) -> dict[str, int]:

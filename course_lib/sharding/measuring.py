@@ -3,8 +3,9 @@
 `measure_sharding(model, world_size, stages)` starts `world_size` gloo processes once; inside them
 each stage in turn builds the same Hugging Face model from its config (same seed), wraps it with
 that stage's engine (`engines.wrap`), runs a warm-up step (AdamW creates its state, FSDP2 its
-buffers), then one measured step (optionally K accumulated micro-batches) under `RankTracker` (every storage the rank holds, the model's own
-included, from before the engine wrapped it) and `CommCounter` (the collectives of the step).
+buffers), then two measured steps (optionally of K accumulated micro-batches each) under
+`RankTracker` (every storage the rank holds, the model's own included, from before the engine
+wrapped it) and `CommCounter` (the collectives of the step).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
                     micro_batches=micro_batches, skip_sync=skip_sync,
                     parameters=storage_bytes(params), gradients=storage_bytes(grads),
                     optimizer_state=storage_bytes(state), before_step=before, peak=max(peaks.values()),
-                    phase_peaks=peaks, repeat_peaks=[max(p.values()) for p in repeats], bytes_sent=counter.bytes_sent, sent_by_collective=dict(counter.sent),
+                    phase_peaks=peaks, repeat_peaks=[max(p.values()) for p in repeats],
+                    bytes_sent=counter.bytes_sent, sent_by_collective=dict(counter.sent),
                     calls=dict(counter.calls))
 
 
