@@ -2,13 +2,15 @@
 and the paper (one spawn measures all four stages)."""
 
 import functools
-import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from course_lib import cli
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.memory import PlanError, offload_prediction, plan
+from course_lib.memory.sharded import fsdp_fraction, zero1_shares
 from course_lib.models import spec_from_model
 from course_lib.sharding import STAGES, measure_sharding, run_ranks
 from course_lib.sharding.engines import wrap
@@ -119,3 +121,16 @@ def test_offload_moves_the_shards_and_nothing_else():
     assert off["pcie_per_step"] == pytest.approx(3 * 4 * 7.5e9 / 64, abs=64)  # two fp32 weight copies in, one out
     with pytest.raises(PlanError, match="zero3"):
         offload_prediction(plan(int(7.5e9), precision="mixed-bf16", gpus=64, shard="zero2"))
+
+
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=40), st.integers(1, 8))
+def test_zero1_shares_are_torchs_sorted_greedy_partition(numels, n):
+    shares = zero1_shares(numels, n)
+    assert sum(shares) == sum(numels) and len(shares) == n
+    assert max(shares) - min(shares) <= max(numels)  # greedy: no rank more than one tensor ahead
+
+
+def test_fsdp_shards_are_padded_chunks_of_dim_0(spec):
+    assert fsdp_fraction(spec, 1) == 1
+    assert fsdp_fraction(spec, 2) == 0.5  # every dim 0 of the test model is even
+    assert fsdp_fraction(spec, 3) > 1 / 3  # 64 rows in chunks of 22: rank 0 holds a padded chunk
