@@ -97,7 +97,8 @@ class Plan:
                  + (f", {self.setup.gpus} GPUs, shard {self.setup.shard} (one GPU's share)"
                     if self.setup.gpus is not None else "")]
         for name, value in self.rows():
-            shown = "unknown (no model shapes)" if name in ("activations", "sharding_buffers") and not self.activations_known \
+            unknown = name in ("activations", "sharding_buffers") and not self.activations_known
+            shown = "unknown (no model shapes)" if unknown \
                 else f"{value / GiB:10.2f} GiB"
             lines.append(f"  {name:<21} {shown}")
         if self.setup.gpus is not None:
@@ -198,7 +199,7 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"overhead: CUDA context and libraries, about {format_bytes(CUDA_CONTEXT_BYTES)} "
                      "(300 to 700 MB, docs/references.md#pytorch-issue-28113-memory-used-when-cuda-starts), "
                      "not seen by torch.cuda.memory_allocated")
-    if cuda and setup.optimizer == "adamw" and spec is not None:
+    if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None:  # one GPU: all of sqrt(v)
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
                      f"(optimizer_temporaries: what it adds over the activations' peak); "
