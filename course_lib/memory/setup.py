@@ -39,6 +39,8 @@ class Setup:
     loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
     `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
     backward and the step, and into the next forward until `outputs` is bound again.
+    gpus: None (one GPU, no data parallelism) or N GPUs training together, `batch` per GPU; shard:
+    "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.memory.sharded`).
     """
 
     precision: str = "mixed-bf16"
@@ -54,6 +56,8 @@ class Setup:
     accum: int = 1
     attention: str = "sdpa"
     loop: str = "trainer"
+    gpus: int | None = None
+    shard: str = "none"
 
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
@@ -82,6 +86,9 @@ class Setup:
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
 
+        from course_lib.memory.sharded import validate as validate_sharding
+
+        validate_sharding(self)
         try:
             checkpointing.named_plan(4, self.checkpointing)
         except ValueError as error:
