@@ -243,18 +243,17 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
     segments = checkpointing.named_plan(n, setup.checkpointing)
     chosen = checkpointing.plan_cost(trace.saved, trace.inputs, segments, output_bytes=trace.output)
     held_change = chosen.forward_bytes - none.forward_bytes   # <= 0: what checkpointing drops
-    peak_change = chosen.peak_bytes - none.peak_bytes
     grads = states.gradients
     if setup.accum > 1:  # gradients of earlier micro-batches are live throughout; new ones are added in
         largest_grad = max(math.prod(s) for s in states.trainable_shapes) * states.grad_itemsize
         forward = grads + trace.forward_peak_without_grads + held_change
         head = grads + trace.head_backward_peak_without_grads + held_change + largest_grad
-        layers = grads + trace.layer_backward_peak_without_grads + peak_change + largest_grad
+        layers = grads + _layers_backward_peak(trace, segments, with_grads=False) + largest_grad
         tail = grads + trace.tail_backward_peak_without_grads + largest_grad
     else:
         forward = trace.forward_peak + held_change
         head = trace.head_backward_peak + held_change
-        layers = trace.layer_backward_peak + peak_change
+        layers = _layers_backward_peak(trace, segments, with_grads=True)
         tail = trace.tail_backward_peak  # after the layers' backward: none of their activations is left
     dequant = trace.dequant_transient
     copies = _autocast_copies(spec, setup)
@@ -283,6 +282,18 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         "checkpoint_segments": " ".join(f"{a}-{b - 1}" for a, b in chosen.plan),
     }
     return max(peak - grads, 0), detail
+
+
+def _layers_backward_peak(trace, segments, *, with_grads: bool) -> int:
+    """The peak of the decoder layers' backward under a checkpointing plan (lesson 3's cost model fed
+    with each layer's traced backward climb: a recomputed layer's backward needs its temporaries as
+    much as an unchecked one's). For no checkpointing it is the traced peak, to the byte. The turn
+    (head_bytes=0) is below the last layer's backward, which holds the same and climbs from there."""
+    cost = checkpointing.plan_cost(
+        trace.saved, trace.inputs, segments, output_bytes=trace.output, head_bytes=0,
+        transient_bytes=trace.backward_climbs_with_grads if with_grads else trace.backward_climbs,
+        grad_bytes=trace.layer_grads if with_grads else None, head_grad_bytes=trace.head_grads if with_grads else 0)
+    return cost.peak_bytes
 
 
 def _autocast_copies(spec: ModelSpec, setup: Setup) -> int:
