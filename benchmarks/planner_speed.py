@@ -6,6 +6,13 @@ count: Python, torch and the CLI starting up). Lesson 1.
     .venv/bin/python benchmarks/planner_speed.py            # every bundled model, about 5 minutes
     .venv/bin/python benchmarks/planner_speed.py --quick    # three models
 
+The floor, `course-lib plan --params 7e9 --gpu t4`, runs what every `course-lib plan` runs: Python
+starting, torch imported (by course_lib.memory), the argument parser, the model states of a bare
+count and "what makes it fit" for them; no transformers, no trace. A named model adds transformers
+(its config classes: the first line after the floor measures that import alone, `AutoConfig.for_model`
+in a fresh Python beside a fresh `import course_lib.memory`), reading the trace cache, and on a cold
+cache the meta-device traces. Nothing of bitsandbytes is imported (`importlib.util.find_spec` only).
+
 Goals (issue 15): uncached plan() < 1 s, cached < 50 ms, the CLI within 2x the floor (checked on
 the warm CLI; the cold one is printed beside it). Exits 1 when one is missed. Timings are
 wall-clock on this machine: run it on a quiet one.
@@ -39,6 +46,12 @@ def _cli_seconds(*argv: str) -> float:
     return time.perf_counter() - start
 
 
+def _python_seconds(code: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
 def _extra(model: str) -> tuple[dict, list[str]]:
     # Gemma-2's implementation refuses SDPA in transformers 5: plan its eager attention
     return (dict(attention="eager"), ["--attention", "eager"]) if model.startswith("gemma-2") else ({}, [])
@@ -52,7 +65,11 @@ def main() -> int:
     os.environ["COURSE_LIB_CACHE_DIR"] = ""  # plan() in this process: no trace from disk
     memory.plan("gpt2", lora_rank=4, seq=8)  # imports (torch, transformers, peft) are the floor's, not plan()'s
     floor = min(_cli_seconds("--params", "7e9", "--gpu", "t4") for _ in range(3))
-    print(f"--params floor (course-lib plan --params 7e9 --gpu t4): {floor:.2f} s\n")
+    print(f"--params floor (course-lib plan --params 7e9 --gpu t4): {floor:.2f} s")
+    base = min(_python_seconds("import course_lib.memory") for _ in range(3))
+    configs = min(_python_seconds("import course_lib.memory; from transformers import AutoConfig; "
+                                  "AutoConfig.for_model('llama')") for _ in range(3))
+    print(f"transformers' import (a config class), which a named model adds to it: {configs - base:.2f} s\n")
     print(f"{'model':<14} {'recipe':<6} {'uncached plan()':>15} {'cached plan()':>13} {'CLI cold':>9} "
           f"{'CLI warm':>9} {'warm / floor':>12}")
     missed = []

@@ -229,16 +229,20 @@ def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype 
 def supported_attention(config, requested: str | None) -> str | None:
     """The attention a model of this config runs: `requested`, or "eager" where transformers' class
     refuses SDPA (Gemma-2, whose attention caps its logits) (lessons 1 and 3)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    if requested != "sdpa":
+        return requested
+    from course_lib.memory.cache import cached_answer
 
-    if requested == "sdpa":
+    def supports_sdpa() -> bool:  # imports the model's module (about a second): asked once, kept on disk
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
         try:
             model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         except KeyError:
-            return requested
-        if not getattr(model_class, "_supports_sdpa", True):
-            return "eager"
-    return requested
+            return True
+        return bool(getattr(model_class, "_supports_sdpa", True))
+
+    return requested if cached_answer("sdpa", type(config).__name__, supports_sdpa) else "eager"
 
 
 @dataclass(frozen=True)

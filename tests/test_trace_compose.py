@@ -63,7 +63,7 @@ def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
     monkeypatch.setattr(memory_trace, "_TRACES", {})
     setup = memory.Setup(lora_rank=4, seq=32)
     first = memory.plan("llama-3.2-1b", setup)
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(tmp_path.glob("trace-*.json"))) == 1
     monkeypatch.setattr(memory_trace, "_TRACES", {})
     monkeypatch.setattr(memory_trace, "_trace", lambda *args: pytest.fail("traced again"))
     assert memory.plan("llama-3.2-1b", setup).bytes == first.bytes

@@ -5,7 +5,8 @@ and the tracer's own code; a parameter list only on the config and the libraries
 in the key (`trace._trace_key` or the config's JSON, the torch, transformers and peft versions, a
 digest of the planner's sources), so a changed library or planner never reads an old entry. A
 second `course-lib plan` of a setup it planned before (each trick of "what makes it fit" is one)
-neither builds the model, nor imports peft, nor traces. `COURSE_LIB_CACHE_DIR` moves the cache
+neither builds the model, nor imports peft or the model's transformers module, nor traces (whether
+the model's class supports SDPA is kept too). `COURSE_LIB_CACHE_DIR` moves the cache
 (default `~/.cache/course-lib/traces`); set it empty to switch it off.
 """
 
@@ -71,6 +72,11 @@ def cached_trace(key: tuple, make: Callable):
     names = [f.name for f in fields(Trace) if f.name != "by_position"]
     return _cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
                    lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
+
+
+def cached_answer(kind: str, key: str, make: Callable):
+    """A plain JSON value (e.g. whether a model class supports SDPA) from disk, or `make()` stored."""
+    return _cached(kind, key, make, lambda value: value, lambda value: value)
 
 
 def cached_params(config_json: str, make: Callable) -> tuple:

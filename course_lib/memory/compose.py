@@ -20,6 +20,9 @@ from collections.abc import Callable
 from course_lib.models import ModelSpec
 
 MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
+# the trace's per-layer tuples (periodic) and the quantities that do not depend on the depth
+PER_LAYER = ("saved", "inputs", "backward_climbs", "backward_climbs_with_grads", "layer_grads")
+CONSTANT = ("output", "saved_outside", "dequant_transient", "kept_outputs", "head_grads")
 
 
 def layer_period(config) -> int | None:
@@ -87,9 +90,8 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
         return None
     small, large = 3 * period, 4 * period
     a, b = trace(shallow_spec(spec, small), setup, target), trace(shallow_spec(spec, large), setup, target)
-    saved, inputs = _periodic(a.saved, b.saved, period, n), _periodic(a.inputs, b.inputs, period, n)
-    if saved is None or inputs is None or (a.output, a.saved_outside, a.dequant_transient, a.kept_outputs) != \
-            (b.output, b.saved_outside, b.dequant_transient, b.kept_outputs):
+    per_layer = {name: _periodic(getattr(a, name), getattr(b, name), period, n) for name in PER_LAYER}
+    if None in per_layer.values() or [getattr(a, name) for name in CONSTANT] != [getattr(b, name) for name in CONSTANT]:
         return None
     steps = (n - small) // period
     class_a, class_b = _by_class(a, small, period), _by_class(b, large, period)
@@ -112,6 +114,5 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
         head_backward_peak_without_grads=peak("head_backward", True),
         layer_backward_peak_without_grads=peak("layer_backward", True),
         tail_backward_peak_without_grads=peak("tail_backward", True),
-        gradients=a.gradients + (b.gradients - a.gradients) * steps, saved=saved, inputs=inputs,
-        output=a.output, saved_outside=a.saved_outside, dequant_transient=a.dequant_transient,
-        kept_outputs=a.kept_outputs)
+        gradients=a.gradients + (b.gradients - a.gradients) * steps, **per_layer,
+        **{name: getattr(a, name) for name in CONSTANT})

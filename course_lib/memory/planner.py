@@ -252,12 +252,12 @@ def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[st
 
 def checkpointing_changes(trace, setup: Setup):
     """Lesson 3's cost of the setup's checkpointing plan on this trace: (the plan's cost, the change of
-    the bytes held through forward (<= 0), the change of the backward peak)."""
+    the bytes held through forward (<= 0))."""
     n = len(trace.saved)
     none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
     chosen = checkpointing.plan_cost(trace.saved, trace.inputs, checkpointing.named_plan(n, setup.checkpointing),
                                      output_bytes=trace.output)
-    return chosen, chosen.forward_bytes - none.forward_bytes, chosen.peak_bytes - none.peak_bytes
+    return chosen, chosen.forward_bytes - none.forward_bytes
 
 
 def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
@@ -265,18 +265,19 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
 
     trace = trace_step(spec, setup, target)
     n = len(trace.saved)
-    chosen, held_change, peak_change = checkpointing_changes(trace, setup)
+    chosen, held_change = checkpointing_changes(trace, setup)
+    segments = chosen.plan
     grads = states.gradients
     if setup.accum > 1:  # gradients of earlier micro-batches are live throughout; new ones are added in
         largest_grad = max(math.prod(s) for s in states.trainable_shapes) * states.grad_itemsize
         forward = grads + trace.forward_peak_without_grads + held_change
         head = grads + trace.head_backward_peak_without_grads + held_change + largest_grad
-        layers = grads + trace.layer_backward_peak_without_grads + peak_change + largest_grad
+        layers = grads + layers_backward_peak(trace, segments, with_grads=False) + largest_grad
         tail = grads + trace.tail_backward_peak_without_grads + largest_grad
     else:
         forward = trace.forward_peak + held_change
         head = trace.head_backward_peak + held_change
-        layers = trace.layer_backward_peak + peak_change
+        layers = layers_backward_peak(trace, segments, with_grads=True)
         tail = trace.tail_backward_peak  # after the layers' backward: none of their activations is left
     dequant = trace.dequant_transient
     copies = _autocast_copies(spec, setup)
@@ -305,6 +306,18 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         "checkpoint_segments": " ".join(f"{a}-{b - 1}" for a, b in chosen.plan),
     }
     return max(peak - grads, 0), detail
+
+
+def layers_backward_peak(trace, segments, *, with_grads: bool) -> int:
+    """The peak of the decoder layers' backward under a checkpointing plan (lesson 3's cost model fed
+    with each layer's traced backward climb: a recomputed layer's backward needs its temporaries as
+    much as an unchecked one's). For no checkpointing it is the traced peak, to the byte. The turn
+    (head_bytes=0) is below the last layer's backward, which holds the same and climbs from there."""
+    cost = checkpointing.plan_cost(
+        trace.saved, trace.inputs, segments, output_bytes=trace.output, head_bytes=0,
+        transient_bytes=trace.backward_climbs_with_grads if with_grads else trace.backward_climbs,
+        grad_bytes=trace.layer_grads if with_grads else None, head_grad_bytes=trace.head_grads if with_grads else 0)
+    return cost.peak_bytes
 
 
 def _autocast_copies(spec: ModelSpec, setup: Setup) -> int:

@@ -137,15 +137,15 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     prefetched = largest if stage == "zero3" else 0  # zero2 gathers nothing in backward
     states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
-    from course_lib.memory.planner import checkpointing_changes
+    from course_lib.memory.planner import checkpointing_changes, layers_backward_peak
 
-    _, held, changed = checkpointing_changes(trace, setup)  # lesson 3's plan, as for one GPU
+    chosen, held = checkpointing_changes(trace, setup)  # lesson 3's plan, as for one GPU
     # forward peaks at the output layer and the loss: one layer's flat all-gather buffer is still held
     forward = states + batch + trace.forward_peak_without_grads + held + gathered + largest
     # backward at the output layer: the last layer prefetched (zero3)
     head = states + batch + trace.head_backward_peak_without_grads + held + gathered + prefetched
     # backward in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients
-    layers_peak = states + batch + trace.layer_backward_peak_without_grads + changed + gathered + 2 * prefetched \
+    layers_peak = states + batch + layers_backward_peak(trace, chosen.plan, with_grads=False) + gathered + 2 * prefetched \
         + largest * grad_ratio
     backward = max(head, layers_peak)
     forward_buffers = gathered + largest

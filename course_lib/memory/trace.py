@@ -160,6 +160,14 @@ class Trace:
     saved_outside: int
     dequant_transient: int = 0
     kept_outputs: int = 0  # loop "keep-outputs": the outputs' bytes, alive from one forward to the next
+    # per decoder layer, how far its backward climbs above what the cost model counts (its own and the
+    # earlier layers' saved bytes, the gradient arriving at it): its temporaries and what stays alive
+    # outside the layers, without and with the parameter gradients (then those made so far are not
+    # in it: `layer_grads`, made during each layer's backward, and `head_grads`, before the layers')
+    backward_climbs: tuple[int, ...] = ()
+    backward_climbs_with_grads: tuple[int, ...] = ()
+    layer_grads: tuple[int, ...] = ()
+    head_grads: int = 0
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
@@ -223,6 +231,13 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     current = {"layer": None}
     inputs = [0] * len(layers)
     output = {"bytes": 0}
+    grads_at = [None] * (len(layers) + 1)  # parameter gradients made when layer i's backward starts; [n]: the tail's
+
+    def backward_starts(index: int, phase: str, position):
+        def hook(grad):
+            grads_at[index] = tracer.grad_bytes
+            tracer.set_phase(phase or tracer.phase, position)
+        return hook
 
     def pack(tensor):
         storage = tensor.untyped_storage()
@@ -238,7 +253,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             hidden = args[0] if args else kwargs.get("hidden_states")
             inputs[index] = hidden.untyped_storage().nbytes()
             if index == 0 and hidden.requires_grad:  # its gradient: the layers' backward is over
-                hidden.register_hook(lambda grad: tracer.set_phase("tail_backward", "pre"))
+                hidden.register_hook(backward_starts(len(layers), "tail_backward", "pre"))
         return hook
 
     def post_hook(index):
@@ -249,9 +264,9 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
                 tracer.set_phase(tracer.phase, "post")
                 output["bytes"] = hidden.untyped_storage().nbytes()
                 if hidden.requires_grad:
-                    hidden.register_hook(lambda grad: tracer.set_phase("layer_backward", index))
+                    hidden.register_hook(backward_starts(index, "layer_backward", index))
             elif hidden.requires_grad:  # its gradient: layer index's backward starts
-                hidden.register_hook(lambda grad: tracer.set_phase(tracer.phase, index))
+                hidden.register_hook(backward_starts(index, None, index))
         return hook
 
     handles = []
@@ -305,6 +320,8 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         dequant = max(p.numel for p in spec.params if p.module == "linear" and not p.is_lm_head) \
             * itemsize(setup.weight_dtype)
     peaks, rest = tracer.peaks, tracer.peaks_without_grads
+    climbs, climbs_with_grads, layer_grads, head_grads = _backward_climbs(tracer, saved, inputs, output["bytes"],
+                                                                          grads_at)
     return Trace(
         forward_peak=peaks.get("forward", 0), head_backward_peak=peaks.get("head_backward", 0),
         layer_backward_peak=peaks.get("layer_backward", 0), tail_backward_peak=peaks.get("tail_backward", 0),
@@ -313,4 +330,27 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         layer_backward_peak_without_grads=rest.get("layer_backward", 0),
         tail_backward_peak_without_grads=rest.get("tail_backward", 0),
         gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
-        saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, by_position=dict(tracer.position_peaks))
+        saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, backward_climbs=climbs,
+        backward_climbs_with_grads=climbs_with_grads, layer_grads=layer_grads, head_grads=head_grads,
+        by_position=dict(tracer.position_peaks))
+
+
+def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
+    """Each layer's backward peak as lesson 3's cost model takes it (`transient_bytes`, `grad_bytes`,
+    `head_grad_bytes` of `checkpointing.plan_cost`): what the peak at that layer holds beyond the
+    saved bytes of layers 0 .. i and the gradient arriving at layer i (and, with gradients, beyond
+    the parameter gradients made before its backward). Fed back into the cost model, they give the
+    traced peak for no checkpointing; for a checkpointing plan, a recomputed layer's backward climbs
+    as high above what it holds as without checkpointing."""
+    n = len(saved)
+    if grads_at[n] is None:  # no gradient reaches the embeddings (a frozen base): layer 0's backward ends last
+        grads_at[n] = tracer.grad_bytes
+    arriving = list(inputs[1:]) + [output]
+    climbs, with_grads = [], []
+    for i in range(n):
+        peak, peak_without = tracer.position_peaks.get(("layer_backward", i), (0, 0))
+        counted = sum(saved[:i + 1]) + arriving[i]
+        climbs.append(peak_without - counted)
+        with_grads.append(peak - counted - (grads_at[i] or 0))
+    made = [(grads_at[i - 1] if i else grads_at[n]) - (grads_at[i] or 0) for i in range(n)]
+    return tuple(climbs), tuple(with_grads), tuple(made), grads_at[n - 1] or 0
