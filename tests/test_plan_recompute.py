@@ -32,11 +32,11 @@ def test_a_recomputed_layers_backward_temporaries_are_predicted():
 
 def test_fed_its_climbs_the_cost_model_gives_the_traced_backward_peak_without_checkpointing():
     from course_lib.memory.compose import shallow_spec
-    from course_lib.memory.planner import _layers_backward_peak
+    from course_lib.memory.planner import layers_backward_peak
     from course_lib.memory.trace import _trace
     from course_lib.models import model_spec
 
     for setup in (Setup(precision="mixed-bf16", batch=2, seq=64), Setup(precision="bf16", lora_rank=4, seq=48)):
         trace = _trace(shallow_spec(model_spec("llama-3.2-1b"), 3), setup, "cpu")
-        assert _layers_backward_peak(trace, [], with_grads=True) == trace.layer_backward_peak
-        assert _layers_backward_peak(trace, [], with_grads=False) == trace.layer_backward_peak_without_grads
+        assert layers_backward_peak(trace, [], with_grads=True) == trace.layer_backward_peak
+        assert layers_backward_peak(trace, [], with_grads=False) == trace.layer_backward_peak_without_grads
