@@ -60,7 +60,7 @@ def main() -> int:
         extra_options, extra_flags = _extra(model)
         for recipe, (options, flags) in RECIPES.items():
             options = {**options, **SIZE, **extra_options}
-            memory._TRACES.clear()
+            memory.trace._TRACES.clear()
             start = time.perf_counter()
             memory.plan(model, **options)
             uncached = time.perf_counter() - start

@@ -78,7 +78,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[tuple[str, int], int] = {}
+        self.live: dict = {}  # storage_key -> bytes
         self.current = 0
         self.phase = "start"
         self.phase_peaks: dict[str, int] = {}
@@ -87,18 +87,24 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def watch(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage until it is freed (once, however many tensors share it)."""
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        if not isinstance(tensor, torch.Tensor):
             return
         storage = tensor.untyped_storage()
+        key = self.storage_key(tensor, storage)
         nbytes = storage.nbytes()
-        key = (str(tensor.device), storage.data_ptr())
-        if not nbytes or key in self.live:
+        if key is None or not nbytes or key in self.live:
             return
         self.live[key] = nbytes
         self._finalizers.append(weakref.finalize(storage, self._freed, key, nbytes))
         self._record(nbytes)
 
-    def _freed(self, key: tuple[str, int], nbytes: int) -> None:
+    def storage_key(self, tensor: torch.Tensor, storage: torch.UntypedStorage):
+        """What identifies the storage, or None for one not counted (meta tensors hold no memory)."""
+        if tensor.device.type == "meta":
+            return None
+        return str(tensor.device), storage.data_ptr()
+
+    def _freed(self, key, nbytes: int) -> None:
         if self.live.get(key) == nbytes:
             del self.live[key]
             self._record(-nbytes)

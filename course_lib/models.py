@@ -310,7 +310,7 @@ def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec
 
 @lru_cache(maxsize=64)
 def _cached_spec(key: str) -> ModelSpec:
-    from course_lib.trace_cache import cached_params
+    from course_lib.memory.cache import cached_params
 
     config = load_config(key)
     _check_causal_lm(config, key)

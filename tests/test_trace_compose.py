@@ -10,7 +10,8 @@ import pytest
 
 from course_lib import memory
 from course_lib.models import bundled_models, model_spec
-from course_lib.trace_compose import composed_trace, layer_period, shallow_spec
+from course_lib.memory import trace as memory_trace
+from course_lib.memory.compose import composed_trace, layer_period, shallow_spec
 
 SETUPS = [  # (setup, target): full fine-tune; LoRA, eager attention, outputs kept; QLoRA, prepared base
     (memory.Setup(precision="mixed-bf16", batch=2, seq=64), "cpu"),
@@ -27,31 +28,31 @@ def test_the_composed_trace_is_the_full_trace(name):
     for setup, target in SETUPS:
         if name.startswith("gemma-2"):  # its implementation refuses SDPA
             setup = replace(setup, attention="eager")
-        composed = composed_trace(deep, setup, target, memory._trace)
+        composed = composed_trace(deep, setup, target, memory_trace._trace)
         assert composed is not None
-        assert composed == memory._trace(deep, setup, target), (name, setup)
+        assert composed == memory_trace._trace(deep, setup, target), (name, setup)
 
 
 def test_gemma_2_alternates_two_layer_types_and_shallow_models_are_traced_in_full():
     assert layer_period(model_spec("gemma-2-2b").config) == 2
     assert layer_period(model_spec("llama-3.2-1b").config) == 1
     spec = model_spec("gpt2")
-    assert composed_trace(shallow_spec(spec, 5), memory.Setup(seq=16), "cpu", memory._trace) is None
+    assert composed_trace(shallow_spec(spec, 5), memory.Setup(seq=16), "cpu", memory_trace._trace) is None
 
 
 def test_layers_that_do_not_repeat_are_traced_in_full():
     spec = shallow_spec(model_spec("llama-3.2-1b"), 6)
     spec.config.layer_types = ["full_attention"] * 5 + ["sliding_attention"]
     assert layer_period(spec.config) is None
-    assert composed_trace(spec, memory.Setup(seq=16), "cpu", memory._trace) is None
+    assert composed_trace(spec, memory.Setup(seq=16), "cpu", memory_trace._trace) is None
 
 
 def test_the_planner_uses_the_fast_path_for_a_deep_model(monkeypatch):
     depths = []
-    real = memory._trace
-    monkeypatch.setattr(memory, "_trace", lambda spec, setup, target: depths.append(spec.n_layers)
+    real = memory_trace._trace
+    monkeypatch.setattr(memory_trace, "_trace", lambda spec, setup, target: depths.append(spec.n_layers)
                         or real(spec, setup, target))
-    monkeypatch.setattr(memory, "_TRACES", {})
+    monkeypatch.setattr(memory_trace, "_TRACES", {})
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
     memory.plan("llama-2-70b", seq=32)
     assert depths == [3, 4]  # never the 80 layers
@@ -59,12 +60,12 @@ def test_the_planner_uses_the_fast_path_for_a_deep_model(monkeypatch):
 
 def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(memory, "_TRACES", {})
+    monkeypatch.setattr(memory_trace, "_TRACES", {})
     setup = memory.Setup(lora_rank=4, seq=32)
     first = memory.plan("llama-3.2-1b", setup)
     assert len(list(tmp_path.glob("*.json"))) == 1
-    monkeypatch.setattr(memory, "_TRACES", {})
-    monkeypatch.setattr(memory, "_trace", lambda *args: pytest.fail("traced again"))
+    monkeypatch.setattr(memory_trace, "_TRACES", {})
+    monkeypatch.setattr(memory_trace, "_trace", lambda *args: pytest.fail("traced again"))
     assert memory.plan("llama-3.2-1b", setup).bytes == first.bytes
 
 

@@ -2,7 +2,7 @@
 
 A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
 and the tracer's own code; a parameter list only on the config and the libraries. All of them are
-in the key (`memory._trace_key` or the config's JSON, the torch, transformers and peft versions, a
+in the key (`trace._trace_key` or the config's JSON, the torch, transformers and peft versions, a
 digest of the planner's sources), so a changed library or planner never reads an old entry. A
 second `course-lib plan` of a setup it planned before (each trick of "what makes it fit" is one)
 neither builds the model, nor imports peft, nor traces. `COURSE_LIB_CACHE_DIR` moves the cache
@@ -20,7 +20,6 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-_SOURCES = ("memory.py", "trace_compose.py", "models.py", "trace_cache.py")
 
 
 def cache_dir() -> Path | None:
@@ -35,8 +34,8 @@ def cache_dir() -> Path | None:
 def _fingerprint() -> str:
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in _SOURCES:
-        digest.update((here / name).read_bytes())
+    for source in [*sorted(here.glob("*.py")), here.parent / "models.py"]:  # the planner's code and the models'
+        digest.update(source.read_bytes())
     for package in ("torch", "transformers", "peft"):
         try:
             digest.update(f"{package}={metadata.version(package)}".encode())
@@ -67,7 +66,7 @@ def _cached(kind: str, key: str, make: Callable, to_json: Callable, from_json: C
 
 def cached_trace(key: tuple, make: Callable):
     """The trace (memory.Trace) for `key` from disk, or `make()` stored for next time."""
-    from course_lib.memory import Trace
+    from course_lib.memory.trace import Trace
 
     names = [f.name for f in fields(Trace) if f.name != "by_position"]
     return _cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},

@@ -78,9 +78,9 @@ def _periodic(a: tuple, b: tuple, period: int, n_layers: int) -> tuple | None:
 
 
 def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
-    """The trace of `spec` composed from `trace` (memory._trace) of two shallow copies, or None when
+    """The trace of `spec` composed from `trace` (`trace._trace`) of two shallow copies, or None when
     the model is shallow or its layers do not visibly repeat (then trace it in full)."""
-    from course_lib.memory import Trace
+    from course_lib.memory.trace import Trace
 
     n, period = spec.n_layers, layer_period(spec.config)
     if n is None or period is None or n % period or n < MIN_PERIODS * period or _per_layer_lists(spec.config, n):

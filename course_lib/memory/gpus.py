@@ -1,0 +1,77 @@
+"""The GPU catalog, the CUDA context a process pays for, each GPU's precision, and the fit verdict
+(lesson 1, "the planner")."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from course_lib.measure import MiB, format_bytes
+from course_lib.memory.setup import PlanError
+
+# Memory a CUDA process uses outside PyTorch's allocator: the CUDA context and library handles
+# (about 300 to 700 MB: PyTorch issues 28113 and 107667, docs/references.md). A mid value; measure
+# yours with course_lib.measure on the GPU.
+CUDA_CONTEXT_BYTES = 512 * MiB
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU as a training process sees it: the memory nvidia-smi reports as total (lesson 1)."""
+
+    name: str
+    memory_bytes: int
+    compute_capability: tuple[int, int]
+    note: str = ""
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 hardware: compute capability >= 8.0 (a T4 only emulates it; docs/references.md)."""
+        return self.compute_capability >= (8, 0)
+
+
+GPUS = {
+    "t4": GPU("T4", 15360 * MiB, (7, 5), "16 GB card, 15360 MiB visible with ECC on (Colab)"),
+    "l4": GPU("L4", 23034 * MiB, (8, 9), "24 GB card"),
+    "a10g": GPU("A10G", 23028 * MiB, (8, 6), "24 GB card (AWS g5)"),
+    "a100-40gb": GPU("A100 40GB", 40960 * MiB, (8, 0)),
+    "a100-80gb": GPU("A100 80GB", 81920 * MiB, (8, 0)),
+    "h100-80gb": GPU("H100 80GB", 81559 * MiB, (9, 0)),
+    "h200": GPU("H200", 143771 * MiB, (9, 0), "141 GB card, 143771 MiB as nvidia-smi shows it"),
+    "rtx3090": GPU("RTX 3090", 24576 * MiB, (8, 6)),
+    "rtx4090": GPU("RTX 4090", 24564 * MiB, (8, 9)),
+}
+_GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
+                "3090": "rtx3090", "4090": "rtx4090", "rtx-3090": "rtx3090", "rtx-4090": "rtx4090",
+                "colab": "t4"}
+
+
+def get_gpu(name: str | GPU) -> GPU:
+    """A catalog GPU by name ('t4', 'A100-80GB', 'rtx4090', ...); unknown names suggest close ones."""
+    if isinstance(name, GPU):
+        return name
+    key = re.sub(r"[\s_]+", "-", str(name).strip().lower())
+    key = _GPU_ALIASES.get(key, key)
+    if key in GPUS:
+        return GPUS[key]
+    import difflib
+
+    close = difflib.get_close_matches(key, list(GPUS) + list(_GPU_ALIASES), n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise PlanError(f"unknown GPU {name!r}: {hint}known: {', '.join(GPUS)}")
+
+def default_precision(gpu: GPU | None, quant: str = "none") -> str:
+    """mixed-bf16, or mixed-fp16 on a GPU without bf16 hardware; the plain compute dtype for a 4-bit base."""
+    half = "bf16" if gpu is None or gpu.bf16 else "fp16"
+    return half if quant != "none" else f"mixed-{half}"
+
+
+
+def fit_verdict(total: int, gpu: GPU | None) -> str:
+    """One sentence: fits or not, and by how much (`Plan.verdict`)."""
+    if gpu is None:
+        return f"predicted peak {format_bytes(total)} (give --gpu NAME for a fit verdict)"
+    margin = gpu.memory_bytes - total
+    if margin >= 0:
+        return f"fits on {gpu.name} ({format_bytes(gpu.memory_bytes)}): {format_bytes(margin)} to spare"
+    return f"does not fit on {gpu.name} ({format_bytes(gpu.memory_bytes)}): {format_bytes(-margin)} over"

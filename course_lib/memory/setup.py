@@ -1,0 +1,98 @@
+"""What the planner is asked: the training setup and its options (lesson 1, "the planner")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from course_lib import checkpointing
+
+PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16")
+OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion")
+QUANTS = ("none", "nf4", "nf4-dq")
+ATTENTIONS = ("sdpa", "eager")
+LOOPS = ("trainer", "keep-outputs")
+CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
+              "optimizer_temporaries", "overhead", "total")
+DEFAULT_LORA_RANK = 16
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PlanError(ValueError):
+    """A setup the planner cannot plan: the message says what to change (lesson 1)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the model is trained (lesson 1). Sizes are per micro-batch; `accum` micro-batches make one
+    optimizer step (effective batch = batch * accum).
+
+    precision: "fp32"; "bf16"/"fp16" (pure: weights, gradients and torch optimizer state in 16 bits);
+    "mixed-bf16"/"mixed-fp16" (16-bit weights and gradients, fp32 master weights and optimizer state).
+    adam_state: None (torch's rule: state in the dtype of the parameter it updates) or "fp32".
+    lora_rank > 0 trains LoRA adapters (fp32, peft's default) on `lora_targets` and freezes the base;
+    quant "nf4"/"nf4-dq" stores the frozen linear layers in 4 bits (QLoRA; needs lora_rank > 0).
+    prepare_kbit: peft's prepare_model_for_kbit_training, which upcasts every non-quantized
+    parameter to fp32.
+    loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
+    `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
+    backward and the step, and into the next forward until `outputs` is bound again.
+    """
+
+    precision: str = "mixed-bf16"
+    optimizer: str = "adamw"
+    adam_state: str | None = None
+    lora_rank: int = 0
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    quant: str = "none"
+    prepare_kbit: bool = False
+    batch: int = 1
+    seq: int = 512
+    checkpointing: str = "none"
+    accum: int = 1
+    attention: str = "sdpa"
+    loop: str = "trainer"
+
+    def validate(self) -> Setup:
+        """The setup itself, or PlanError naming the bad value."""
+        for value, options, what in ((self.precision, PRECISIONS, "precision"),
+                                     (self.optimizer, OPTIMIZERS, "optimizer"),
+                                     (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention"),
+                                     (self.loop, LOOPS, "loop")):
+            if value not in options:
+                raise PlanError(f"unknown {what} {value!r}: use one of {', '.join(options)}")
+        for value, what in ((self.batch, "batch"), (self.seq, "seq"), (self.accum, "accum")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{what} must be a positive integer, got {value!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise PlanError(f"lora rank must be a positive integer (0: no LoRA), got {self.lora_rank!r}")
+        if self.adam_state not in (None, "fp32"):
+            raise PlanError(f"adam_state must be None (the parameter's dtype) or 'fp32', got {self.adam_state!r}")
+        if self.quant != "none" and self.lora_rank == 0:
+            raise PlanError(f"--quant {self.quant} freezes the base model: train adapters with --lora-rank R "
+                            "(QLoRA); a 4-bit base cannot be fine-tuned directly")
+        if self.lora_rank == 0 and self.lora_targets != "all-linear":
+            raise PlanError(f"lora_targets {self.lora_targets!r} without a LoRA rank: give lora_rank R > 0")
+        if self.adam_state is not None and self.optimizer not in ("adamw", "momentum", "adafactor"):
+            raise PlanError(f"adam_state applies to torch's adamw, momentum and adafactor, not {self.optimizer!r} "
+                            "(sgd keeps no state; bitsandbytes' optimizers choose their own)")
+        if self.quant != "none" and self.precision.startswith("mixed"):
+            raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
+                            f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
+
+        try:
+            checkpointing.named_plan(4, self.checkpointing)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
+        return self
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the model's weights as stored on the device (the compute dtype for QLoRA)."""
+        return _DTYPES[self.precision.split("-")[-1]]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

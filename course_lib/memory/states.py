@@ -1,0 +1,192 @@
+"""Model states, exact: weights, gradients, optimizer state, master weights and quantization
+metadata, tensor by tensor from the model's real parameter shapes (lesson 1, "the planner")."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from course_lib.memory.setup import PlanError, Setup, itemsize
+from course_lib.models import ModelSpec, ParamInfo
+
+# bitsandbytes 0.50.2 (optim/optimizer.py, Optimizer2State; docs/references.md): 8-bit blockwise
+# state, 256 values per float32 absmax; tensors below 4096 elements keep 32-bit state; two 256-entry
+# float32 quantization maps per optimizer.
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_QMAPS_BYTES = 2 * 256 * 4
+# NF4 (bitsandbytes quantize_4bit): two values per byte, a float32 absmax per 64 values and a
+# 16-entry float32 code table per tensor; double quantization stores the absmax as uint8 in blocks of
+# 256 with a float32 second level, a float32 offset and a 256-entry float32 code table.
+NF4_BLOCK = 64
+NF4_DQ_BLOCK = 256
+
+
+def target_match(info: ParamInfo, targets: str | tuple[str, ...]) -> bool:
+    """Whether a parameter's module gets LoRA adapters (peft's 'all-linear': every linear but the
+    output layer)."""
+    if info.module != "linear" or info.is_lm_head or not info.name.endswith(".weight"):
+        return False
+    if targets == "all-linear":
+        return True
+    names = (targets,) if isinstance(targets, str) else tuple(targets)
+    module = info.name.rsplit(".", 2)[-2]
+    return module in names
+
+
+def _lora_shapes(spec: ModelSpec, setup: Setup) -> list[tuple[int, ...]]:
+    shapes = []
+    for info in spec.params:
+        if target_match(info, setup.lora_targets):
+            rows, cols = info.shape  # (out, in) for nn.Linear; (in, out) for GPT-2's Conv1D: same sum
+            shapes += [(setup.lora_rank, cols), (rows, setup.lora_rank)]
+    if setup.lora_rank and not shapes:
+        raise PlanError(f"no linear layer matches the LoRA targets {setup.lora_targets!r}")
+    return shapes
+
+
+def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
+    """(packed weight bytes, quantization metadata bytes) of one tensor in bitsandbytes NF4 (lesson 1).
+
+    Packed: two 4-bit values per byte. Metadata: a float32 absmax per 64 values and a 16-entry
+    float32 code table; with double quantization the absmax is uint8 (blocks of 256 with a float32
+    absmax each), plus a float32 offset and a 256-entry float32 code table.
+    """
+    blocks = math.ceil(numel / NF4_BLOCK)
+    packed = math.ceil(numel / 2)
+    if not double_quant:
+        return packed, blocks * 4 + 16 * 4
+    return packed, blocks + 16 * 4 + 4 + math.ceil(blocks / NF4_DQ_BLOCK) * 4 + 256 * 4
+
+
+def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize: int,
+                          shapes: Sequence[tuple[int, ...]] | None = None, step_counters: bool = True) -> int:
+    """Exact bytes of an optimizer's state for trainable tensors of these sizes (lesson 1).
+
+    `state_itemsize`: bytes per element of torch optimizers' state (the parameter's dtype, or 4 for
+    fp32 state). bitsandbytes' optimizers keep 32-bit state in fp32 whatever the parameter dtype.
+    `step_counters`: torch AdamW and Adafactor keep a float32 step tensor per parameter (on the CPU
+    unless capturable/fused: not GPU memory on a CUDA target).
+    """
+    steps = 4 * len(numels) if step_counters else 0
+    if optimizer == "sgd":
+        return 0
+    if optimizer == "momentum":
+        return sum(numels) * state_itemsize
+    if optimizer == "adamw":
+        return 2 * sum(numels) * state_itemsize + steps
+    if optimizer in ("adamw8bit", "paged_adamw8bit"):
+        total, any_8bit = 0, False
+        for n in numels:
+            if n < BNB_MIN_8BIT_SIZE:
+                total += 8 * n
+            else:
+                any_8bit = True
+                total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
+        return total + (BNB_QMAPS_BYTES if any_8bit else 0)
+    if optimizer == "paged_adamw32bit":
+        return 8 * sum(numels)
+    if optimizer == "lion":  # bitsandbytes Lion, 32-bit: one fp32 momentum
+        return 4 * sum(numels)
+    if optimizer == "adafactor":  # torch.optim.Adafactor: factored second moment for 2-D and up
+        if shapes is None:
+            raise PlanError("adafactor's state depends on tensor shapes: give a model, not only --params")
+        total = 0
+        for shape in shapes:
+            if len(shape) >= 2:
+                total += (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * state_itemsize
+            else:
+                total += math.prod(shape) * state_itemsize
+        return total + steps
+    raise PlanError(f"unknown optimizer {optimizer!r}")
+
+
+def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], state_itemsize: int,
+                          grad_itemsize: int, cuda: bool, mixed: bool) -> int:
+    """Temporaries of one optimizer step beyond the state (lesson 1, "the step has a peak too").
+
+    torch AdamW on the CPU (single-tensor): sqrt(v) and its division live together, 2 x the largest
+    tensor; on CUDA the default foreach path makes sqrt(v) for all tensors at once, 1 x all of them.
+    bitsandbytes' kernels update in place. Mixed precision converts each gradient to fp32 for the
+    master update.
+    """
+    if not shapes:
+        return 0
+    numels = [math.prod(s) for s in shapes]
+    largest = max(numels)
+    extra = 0
+    if optimizer == "adamw":
+        extra = sum(numels) * state_itemsize if cuda else 2 * largest * state_itemsize
+    elif optimizer == "adafactor":
+        extra = max(math.prod(s) + 4 * s[-1] for s in shapes) * grad_itemsize
+    if mixed:
+        extra += 4 * largest
+    return extra
+
+
+@dataclass
+class ModelStates:
+    weights: int
+    gradients: int
+    optimizer_state: int
+    master_weights: int
+    quantization: int
+    trainable: int
+    frozen: int
+    trainable_shapes: list[tuple[int, ...]] = field(repr=False, default_factory=list)
+    grad_itemsize: int = 4
+    state_itemsize: int = 4
+
+
+def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = None,
+                 cuda: bool = False) -> ModelStates:
+    """Exact bytes of weights, gradients, optimizer state, master weights and quantization metadata
+    (lesson 1). With `spec=None`, `n_params` parameters are treated as one full fine-tune."""
+    wsize = itemsize(setup.weight_dtype)
+    mixed = setup.precision.startswith("mixed")
+    torch_opt = setup.optimizer in ("adamw", "momentum", "adafactor")
+    if spec is None:
+        if setup.lora_rank or setup.quant != "none":
+            raise PlanError("LoRA and quantization need the model's layer shapes: give a model name or "
+                            "config.json, not only --params")
+        if setup.optimizer == "adafactor":
+            optimizer_state_bytes("adafactor", [n_params], 4)  # raises: shapes needed
+        state_size = 4 if (mixed or setup.adam_state == "fp32" or not torch_opt) else wsize
+        return ModelStates(
+            weights=n_params * wsize, gradients=n_params * wsize,
+            optimizer_state=optimizer_state_bytes(setup.optimizer, [n_params], state_size, step_counters=False),
+            master_weights=4 * n_params if mixed else 0, quantization=0, trainable=n_params, frozen=0,
+            grad_itemsize=wsize, state_itemsize=state_size)
+
+    step_counters = not cuda
+    if not setup.lora_rank:
+        shapes = [p.shape for p in spec.params]
+        numels = [p.numel for p in spec.params]
+        state_size = 4 if (mixed or setup.adam_state == "fp32") else wsize
+        return ModelStates(
+            weights=sum(numels) * wsize, gradients=sum(numels) * wsize,
+            optimizer_state=optimizer_state_bytes(setup.optimizer, numels, state_size, shapes, step_counters),
+            master_weights=4 * sum(numels) if mixed else 0, quantization=0,
+            trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=wsize,
+            state_itemsize=state_size)
+
+    # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default).
+    lora = _lora_shapes(spec, setup)
+    lora_numels = [math.prod(s) for s in lora]
+    weights = quantization = 0
+    base_size = 4 if setup.prepare_kbit else wsize
+    for info in spec.params:
+        if setup.quant != "none" and info.module == "linear" and not info.is_lm_head \
+                and info.name.endswith(".weight"):
+            packed, meta = nf4_bytes(info.numel, setup.quant == "nf4-dq")
+            weights += packed
+            quantization += meta
+        else:
+            weights += info.numel * base_size
+    weights += 4 * sum(lora_numels)
+    return ModelStates(
+        weights=weights, gradients=4 * sum(lora_numels),
+        optimizer_state=optimizer_state_bytes(setup.optimizer, lora_numels, 4, lora, step_counters),
+        master_weights=0, quantization=quantization, trainable=sum(lora_numels), frozen=spec.n_params,
+        trainable_shapes=lora, grad_itemsize=4, state_itemsize=4)

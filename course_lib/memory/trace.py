@@ -1,0 +1,316 @@
+"""Activations: one real training step of the Hugging Face implementation traced on the meta device
+(lesson 1, "the planner"): shapes only, no memory; every tensor it creates and frees is recorded."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from course_lib.checkpointing.apply import find_layer_stack
+from course_lib.measure import LiveStorageTracker
+from course_lib.memory.setup import PlanError, Setup, itemsize
+from course_lib.models import build_model, ModelSpec, supported_attention
+
+
+class _MetaTracer(LiveStorageTracker):
+    """Lesson 0's live-storage tracker on any device, the meta device included, with the peaks the
+    planner needs.
+
+    Keyed by the storage's identity (meta storages all have address 0). Parameters and the batch are
+    excluded (`exclude`). `grad_bytes` follows the gradients stored in `.grad` (post-accumulate-grad
+    hooks), so that `current - grad_bytes` is what is live besides them. Peaks are kept per phase
+    and per position (the decoder layer running, or "pre"/"post": before/after them); phases are
+    revisited, so a phase's peak is never reset.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_bytes = 0
+        self.phase = "forward"
+        self.position: int | str = "pre"
+        self.peaks_without_grads: dict[str, int] = {}
+        self.position_peaks: dict[tuple[str, int | str], tuple[int, int]] = {}
+        self.known: set[int] = set()
+
+    @property
+    def peaks(self) -> dict[str, int]:
+        return self.phase_peaks
+
+    def exclude(self, tensor: torch.Tensor) -> None:
+        """Never count this tensor's storage (a parameter, the batch), nor views of it."""
+        self.known.add(tensor.untyped_storage()._cdata)
+
+    def storage_key(self, tensor: torch.Tensor, storage: torch.UntypedStorage):
+        key = storage._cdata
+        return None if key in self.known else key
+
+    def _record(self, delta: int) -> None:
+        self.current += delta
+        if self.current > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = self.current
+        rest = self.current - self.grad_bytes
+        if rest > self.peaks_without_grads.get(self.phase, 0):
+            self.peaks_without_grads[self.phase] = rest
+        where = (self.phase, self.position)
+        old = self.position_peaks.get(where, (0, 0))
+        if self.current > old[0] or rest > old[1]:
+            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest))
+
+    def set_phase(self, phase: str, position: int | str | None = None) -> None:
+        self.phase = phase
+        if position is not None:
+            self.position = position
+        self._record(0)
+
+
+@contextmanager
+def _sdpa_as_on(target: str):
+    """Make `F.scaled_dot_product_attention` on meta tensors allocate what the real kernel would.
+
+    On meta it would take the math path (an s x s score matrix). On the CPU, torch picks its own
+    kernel (asked here with small CPU tensors of the same kind); on CUDA the fused kernels (flash,
+    memory-efficient) keep the output and a float32 log-sum-exp, like the CPU flash kernel used here.
+    """
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta":
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        if target == "cuda" or _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal,
+                                                   enable_gqa) == 1:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    # transformers looks for packed sequences in the position ids, a data-dependent test the meta
+    # device cannot answer; a plain batch (positions 0 .. s-1 in every row) has none.
+    from transformers import masking_utils
+
+    find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    if find_packed is not None:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+        if find_packed is not None:
+            masking_utils.find_packed_sequence_indices = find_packed
+
+
+def _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> int:
+    """Which kernel torch's CPU SDPA would pick (0 math, 1 flash) for tensors of this kind."""
+    def small(t):
+        shape = list(t.shape)
+        shape[0] = 1
+        if len(shape) >= 2:
+            shape[-2] = min(shape[-2], 8)
+        return torch.zeros(shape, dtype=t.dtype, requires_grad=t.requires_grad)
+
+    mask = None
+    if attn_mask is not None:
+        shape = [1] * (attn_mask.dim() - 2) + [min(query.shape[-2], 8), min(key.shape[-2], 8)]
+        mask = torch.zeros(shape, dtype=attn_mask.dtype)
+    with torch.no_grad():
+        return int(torch._fused_sdp_choice(small(query), small(key), small(value), mask, dropout_p, is_causal,
+                                           enable_gqa=enable_gqa))
+
+
+def _decoder_layers(model: torch.nn.Module, n_layers: int) -> torch.nn.ModuleList:
+    """The decoder layers, found as lesson 3 finds a layer stack; PlanError if there are not n_layers."""
+    try:
+        layers = find_layer_stack(model)
+    except ValueError:
+        layers = None
+    if layers is None or len(layers) != n_layers:
+        raise PlanError(f"cannot find the {n_layers} decoder layers of {type(model).__name__}")
+    return layers
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one meta-device training step of the real implementation allocated (lesson 1).
+
+    Bytes beyond the parameters: `forward_peak`, `head_backward_peak` (loss, logits and output
+    layer's backward, before the last decoder layer's), `layer_backward_peak` (the rest), each with
+    the gradients produced so far, and the same without them (`*_without_grads`). `saved` and
+    `inputs`: per decoder layer, what it saves for backward and the size of its input (lesson 3's
+    cost model takes these), `output`: the last layer's output. `saved_outside`: saved outside the
+    layers (embeddings, final norm, output layer, loss).
+    """
+
+    forward_peak: int
+    head_backward_peak: int
+    layer_backward_peak: int
+    tail_backward_peak: int
+    forward_peak_without_grads: int
+    head_backward_peak_without_grads: int
+    layer_backward_peak_without_grads: int
+    tail_backward_peak_without_grads: int
+    gradients: int
+    saved: tuple[int, ...]
+    inputs: tuple[int, ...]
+    output: int
+    saved_outside: int
+    dequant_transient: int = 0
+    kept_outputs: int = 0  # loop "keep-outputs": the outputs' bytes, alive from one forward to the next
+    # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
+    # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
+    by_position: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
+    return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets), setup.quant != "none",
+            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop)
+
+
+_TRACES: dict[tuple, Trace] = {}
+
+
+def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
+    """Trace one forward + backward of the model on the meta device at the setup's size (lesson 1).
+
+    The model is the Hugging Face implementation itself, built from the config; LoRA adapters come
+    from peft; `use_cache=False` as in training. Frozen 4-bit layers are traced as frozen 16-bit
+    layers (bitsandbytes saves nothing extra for them) plus one dequantized weight alive at a time.
+    """
+    key = _trace_key(spec, setup, target)
+    if key not in _TRACES:
+        from course_lib.memory.cache import cached_trace
+        from course_lib.memory.compose import composed_trace
+
+        _TRACES[key] = cached_trace(key, lambda: composed_trace(spec, setup, target, _trace)
+                                    or _trace(spec, setup, target))
+    return _TRACES[key]
+
+
+def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
+
+    config = copy.deepcopy(spec.config)
+    config.use_cache = False
+    dtype = setup.weight_dtype
+    model = build_model(config, "meta", dtype=dtype, attn_implementation=supported_attention(config, setup.attention))
+    if setup.prepare_kbit:  # peft's prepare_model_for_kbit_training: non-quantized parameters to fp32
+        for module in model.modules():
+            if not (isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings()):
+                for param in module.parameters(recurse=False):
+                    param.data = param.data.float()
+    model.train()
+    if setup.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = setup.lora_targets if setup.lora_targets == "all-linear" else list(setup.lora_targets)
+        with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
+            warnings.simplefilter("ignore")
+            model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
+                                                     target_modules=targets, lora_dropout=0.0,
+                                                     init_lora_weights=False))  # values: none on meta
+    return model
+
+
+def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
+    model = _build_traced_model(spec, setup)
+    layers = _decoder_layers(model, spec.n_layers)
+    tracer = _MetaTracer()
+    param_keys = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved_by: dict[int, tuple[object, int]] = {}
+    current = {"layer": None}
+    inputs = [0] * len(layers)
+    output = {"bytes": 0}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in param_keys and key not in saved_by and storage.nbytes():
+            saved_by[key] = (current["layer"], storage.nbytes())
+        return tensor
+
+    def pre_hook(index):
+        def hook(module, args, kwargs):
+            current["layer"] = index
+            tracer.set_phase(tracer.phase, index)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            inputs[index] = hidden.untyped_storage().nbytes()
+            if index == 0 and hidden.requires_grad:  # its gradient: the layers' backward is over
+                hidden.register_hook(lambda grad: tracer.set_phase("tail_backward", "pre"))
+        return hook
+
+    def post_hook(index):
+        def hook(module, args, result):
+            current["layer"] = None
+            hidden = result[0] if isinstance(result, (tuple, list)) else result
+            if index == len(layers) - 1:
+                tracer.set_phase(tracer.phase, "post")
+                output["bytes"] = hidden.untyped_storage().nbytes()
+                if hidden.requires_grad:
+                    hidden.register_hook(lambda grad: tracer.set_phase("layer_backward", index))
+            elif hidden.requires_grad:  # its gradient: layer index's backward starts
+                hidden.register_hook(lambda grad: tracer.set_phase(tracer.phase, index))
+        return hook
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post_hook(index)))
+
+    def grad_hook(param):
+        tracer.grad_bytes += param.grad.untyped_storage().nbytes()
+        tracer.set_phase(tracer.phase)
+
+    for param in model.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(grad_hook))
+    ids = torch.zeros(setup.batch, setup.seq, dtype=torch.long, device="meta")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the trace is ours: keep transformers' advice off the user's screen
+    for tensor in [ids, *model.parameters(), *model.buffers()]:
+        tracer.exclude(tensor)
+    try:
+        with warnings.catch_warnings(), _sdpa_as_on(target):
+            warnings.simplefilter("ignore")
+            with tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                outputs = model(input_ids=ids, labels=ids, use_cache=False)
+                loss = outputs.loss
+                kept = outputs.logits.untyped_storage().nbytes() if setup.loop == "keep-outputs" else 0
+                if setup.loop == "trainer":
+                    del outputs
+                tracer.set_phase("head_backward")
+                loss.backward()
+                del loss
+    except Exception as error:  # an architecture the meta device cannot run: say which
+        reason = " ".join(str(error).split())[:300]
+        raise PlanError(f"cannot trace a training step of {spec.name} on the meta device "
+                        f"({type(error).__name__}: {reason}); plan with --params N instead") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        for handle in handles:
+            handle.remove()
+    saved = [0] * len(layers)
+    outside = 0
+    for layer, nbytes in saved_by.values():
+        if layer is None:
+            outside += nbytes
+        else:
+            saved[layer] += nbytes
+    dequant = 0
+    if setup.quant != "none":  # bitsandbytes dequantizes one frozen weight at a time, forward and backward
+        dequant = max(p.numel for p in spec.params if p.module == "linear" and not p.is_lm_head) \
+            * itemsize(setup.weight_dtype)
+    peaks, rest = tracer.peaks, tracer.peaks_without_grads
+    return Trace(
+        forward_peak=peaks.get("forward", 0), head_backward_peak=peaks.get("head_backward", 0),
+        layer_backward_peak=peaks.get("layer_backward", 0), tail_backward_peak=peaks.get("tail_backward", 0),
+        forward_peak_without_grads=rest.get("forward", 0),
+        head_backward_peak_without_grads=rest.get("head_backward", 0),
+        layer_backward_peak_without_grads=rest.get("layer_backward", 0),
+        tail_backward_peak_without_grads=rest.get("tail_backward", 0),
+        gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
+        saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, by_position=dict(tracer.position_peaks))
