@@ -16,6 +16,7 @@ The table in docs/planner_accuracy.md is this script's output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ from course_lib.checkpointing import hf_checkpointing
 from course_lib.measure import MiB, measure_step, storage_bytes
 from course_lib.memory import Setup, plan
 from course_lib.models import build_model, spec_from_model
+from course_lib.toolbox import LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, chunked_causal_lm_loss
 
 BATCH = 4
 VOCAB = 8192
@@ -52,6 +54,21 @@ RECIPES = [
     ("mixed-bf16 AdamW", dict(precision="mixed-bf16", optimizer="adamw")),
     ("fp32 AdamW8bit", dict(precision="fp32", optimizer="adamw8bit")),
     ("LoRA r8, bf16 base", dict(precision="bf16", optimizer="adamw", lora_rank=8)),
+]
+# Lesson 7's tricks (course_lib.toolbox), at one sequence length: (label, setup fields, checkpointing)
+TOOLBOX_SEQ = 256
+TOOLBOX_RECIPES = [
+    ("fp32 Adafactor", dict(precision="fp32", optimizer="adafactor"), False),
+    ("bf16 Adafactor", dict(precision="bf16", optimizer="adafactor"), False),
+    ("fp32 SGD momentum", dict(precision="fp32", optimizer="momentum"), False),
+    ("fp32 step in bwd", dict(precision="fp32", optimizer="adamw", optimizer_in_backward=True), False),
+    ("fp32 chunked loss", dict(precision="fp32", optimizer="adamw", chunked_loss=128), False),
+    ("fp32 offload", dict(precision="fp32", optimizer="adamw", offload_activations=True), False),
+    ("bf16 offload", dict(precision="bf16", optimizer="adamw", offload_activations=True), False),
+    ("ckpt+bwd+chunk", dict(precision="fp32", optimizer="adamw", optimizer_in_backward=True,
+                            chunked_loss=128), True),
+    ("ckpt+bwd+chunk+8bit", dict(precision="fp32", optimizer="adamw8bit", optimizer_in_backward=True,
+                                 chunked_loss=128), True),
 ]
 
 
@@ -105,12 +122,10 @@ def build_case(model_type: str, setup: Setup, checkpointing: bool):
     trainable = [p for p in model.parameters() if p.requires_grad]
     if setup.precision.startswith("mixed"):
         optimizer = MasterWeightAdamW(trainable)
-    elif setup.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-
-        optimizer = bnb.optim.AdamW8bit(trainable)
+    elif setup.optimizer_in_backward:  # lesson 7: one optimizer per parameter, stepped in backward
+        optimizer = OptimizerInBackward(trainable, LEAN_OPTIMIZERS[setup.optimizer][1])
     else:
-        optimizer = torch.optim.AdamW(trainable)
+        optimizer = LEAN_OPTIMIZERS[setup.optimizer][1](trainable)
     return config, model, optimizer
 
 
@@ -133,8 +148,11 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
     ids = torch.randint(0, config.vocab_size, (BATCH, seq))
     labels = ids.clone()
 
-    def loss_fn():
-        return model(input_ids=ids, labels=labels, use_cache=False).loss
+    def loss_fn():  # the forward; lesson 7: under offload hooks, or with the chunked loss
+        with HostOffload() if setup.offload_activations else contextlib.nullcontext():
+            if setup.chunked_loss is not None:
+                return chunked_causal_lm_loss(model, ids, labels, setup.chunked_loss)
+            return model(input_ids=ids, labels=labels, use_cache=False).loss
 
     # The fp32 master copies are neither parameters nor optimizer state: hand them to measure_step with
     # the batch, as tensors live for the whole step.
@@ -161,6 +179,7 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one sequence length, first three recipes")
+    parser.add_argument("--toolbox", action="store_true", help="only lesson 7's rows (its tricks)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     from transformers.utils import logging
@@ -168,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity_error()
     seqs = (128,) if args.quick else (64, 256)
     recipes = RECIPES[:3] if args.quick else RECIPES
+    cases = [] if args.toolbox else [(m, s, label, fields, ckpt) for m in ARCHITECTURES for s in seqs
+                                     for label, fields in recipes for ckpt in (False, True)]
+    if not args.quick:
+        cases += [(m, TOOLBOX_SEQ, label, fields, ckpt) for m in ARCHITECTURES for label, fields, ckpt in TOOLBOX_RECIPES]
     rows, start = [], time.perf_counter()
     print(f"Batch {BATCH}, vocabulary {VOCAB}, 4 layers; peak of training step 2 (optimizer state allocated), "
           f"torch {torch.__version__.split('+')[0]} on CPU.\n")
@@ -175,18 +198,15 @@ def main(argv: list[str] | None = None) -> int:
               f"| {'ours MiB':>9} | {'ours err':>8} | {'accelerate MiB':>14} | {'accel. err':>10} | states exact |")
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
-    for model_type in ARCHITECTURES:
-        for seq in seqs:
-            for label, fields in recipes:
-                for checkpointing in (False, True):
-                    row = run_case(model_type, seq, label, fields, checkpointing)
-                    rows.append(row)
-                    ours = (row["predicted"] - row["measured"]) / row["measured"]
-                    theirs = (row["accelerate"] - row["measured"]) / row["measured"]
-                    print(f"| {row['arch']:<12} | {seq:>4} | {label:<19} | {row['ckpt']:<13} "
-                          f"| {row['measured'] / MiB:>12.2f} | {row['predicted'] / MiB:>9.2f} | {ours:>+8.2%} "
-                          f"| {row['accelerate'] / MiB:>14.2f} | {theirs:>+10.1%} "
-                          f"| {'yes' if row['states_exact'] else 'NO ' + str(row['mismatch']):<12} |", flush=True)
+    for model_type, seq, label, fields, checkpointing in cases:
+        row = run_case(model_type, seq, label, fields, checkpointing)
+        rows.append(row)
+        ours = (row["predicted"] - row["measured"]) / row["measured"]
+        theirs = (row["accelerate"] - row["measured"]) / row["measured"]
+        print(f"| {row['arch']:<12} | {seq:>4} | {label:<19} | {row['ckpt']:<13} "
+              f"| {row['measured'] / MiB:>12.2f} | {row['predicted'] / MiB:>9.2f} | {ours:>+8.2%} "
+              f"| {row['accelerate'] / MiB:>14.2f} | {theirs:>+10.1%} "
+              f"| {'yes' if row['states_exact'] else 'NO ' + str(row['mismatch']):<12} |", flush=True)
     ours = [abs(r["predicted"] - r["measured"]) / r["measured"] for r in rows]
     theirs = [abs(r["accelerate"] - r["measured"]) / r["measured"] for r in rows]
     exact = sum(r["states_exact"] for r in rows)

@@ -114,4 +114,4 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
         tail_backward_peak_without_grads=peak("tail_backward", True),
         gradients=a.gradients + (b.gradients - a.gradients) * steps, saved=saved, inputs=inputs,
         output=a.output, saved_outside=a.saved_outside, dequant_transient=a.dequant_transient,
-        kept_outputs=a.kept_outputs)
+        kept_outputs=a.kept_outputs, offloaded=a.offloaded + (b.offloaded - a.offloaded) * steps)

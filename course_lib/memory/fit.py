@@ -8,6 +8,7 @@ from dataclasses import replace
 from course_lib.memory.gpus import GPU, get_gpu
 from course_lib.memory.planner import Plan, Trick, _plan
 from course_lib.memory.setup import DEFAULT_LORA_RANK, PlanError, Setup
+from course_lib.memory.toolbox import toolbox_tricks
 
 
 def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
@@ -15,7 +16,8 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
     tricks = []
     if setup.checkpointing == "none":
         tricks.append(("activation checkpointing (every layer)", replace(setup, checkpointing="every-layer")))
-    if setup.batch > 1:
+    tricks += toolbox_tricks(setup)
+    if setup.batch > 1 and not setup.optimizer_in_backward:
         tricks.append((f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
                        replace(setup, batch=1, accum=setup.batch * setup.accum)))
     if setup.optimizer in ("adamw", "paged_adamw32bit"):

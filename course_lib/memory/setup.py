@@ -39,6 +39,9 @@ class Setup:
     loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
     `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
     backward and the step, and into the next forward until `outputs` is bound again.
+    Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
+    chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
+    moves what autograd saves to host memory (torch's save_on_cpu).
     """
 
     precision: str = "mixed-bf16"
@@ -54,6 +57,9 @@ class Setup:
     accum: int = 1
     attention: str = "sdpa"
     loop: str = "trainer"
+    optimizer_in_backward: bool = False
+    chunked_loss: int | None = None
+    offload_activations: bool = False
 
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
@@ -86,6 +92,9 @@ class Setup:
             checkpointing.named_plan(4, self.checkpointing)
         except ValueError as error:
             raise PlanError(str(error)) from None
+        from course_lib.memory.toolbox import validate_toolbox
+
+        validate_toolbox(self)
         return self
 
     @property

@@ -62,7 +62,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 def hidden_states_and_head(model: torch.nn.Module, input_ids: torch.Tensor,
                            attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.nn.Linear]:
     """The last hidden states of a Hugging Face causal LM (its decoder, final norm included) and its
-    output layer, without computing the logits (lesson 7)."""
+    output layer, without computing the logits (lesson 7). A peft model is unwrapped first (its
+    adapters live inside the base model's layers)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     head = model.get_output_embeddings()
     decoder = model.base_model
     if head is None or decoder is model:

@@ -20,8 +20,9 @@ class OptimizerInBackward:
 
     `make_optimizer(params)` builds one optimizer for a list of one parameter, e.g.
     `lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False)`. After `loss.backward()` every
-    parameter is updated and its `.grad` is None: there is no `step()` to call. `remove()` takes the
-    hooks off.
+    parameter is updated and its `.grad` is None: `step()` and `zero_grad()` do nothing (they are
+    there for loops that call them), `state` is every per-parameter optimizer's state in one mapping.
+    `remove()` takes the hooks off.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter],
@@ -38,6 +39,16 @@ class OptimizerInBackward:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.steps[param] += 1
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
+
+    def step(self) -> None:
+        """Nothing to do: each parameter was updated in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: each gradient was freed in backward."""
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of every per-parameter optimizer's state."""
