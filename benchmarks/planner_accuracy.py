@@ -9,6 +9,7 @@ optimizer state, master weights) are compared to the byte.
 
     .venv/bin/python benchmarks/planner_accuracy.py            # the whole matrix, about 2 minutes
     .venv/bin/python benchmarks/planner_accuracy.py --quick    # one sequence length, no LoRA
+    .venv/bin/python benchmarks/planner_accuracy.py --toolbox  # only lesson 7's tricks (TOOLBOX_RECIPES)
 
 The table in docs/planner_accuracy.md is this script's output.
 """

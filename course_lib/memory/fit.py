@@ -16,7 +16,6 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
     tricks = []
     if setup.checkpointing == "none":
         tricks.append(("activation checkpointing (every layer)", replace(setup, checkpointing="every-layer")))
-    tricks += toolbox_tricks(setup)
     if setup.batch > 1 and not setup.optimizer_in_backward:
         tricks.append((f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
                        replace(setup, batch=1, accum=setup.batch * setup.accum)))
@@ -31,7 +30,7 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
     if setup.quant == "none":  # as peft's QLoRA recipe does it: prepare_model_for_kbit_training included
         tricks.append(("QLoRA: NF4-DQ base + prepare_model_for_kbit_training",
                        replace(setup, quant="nf4-dq", prepare_kbit=True)))
-    return tricks
+    return tricks + toolbox_tricks(setup)  # lesson 7's, after the recipe of lessons 1 to 5
 
 
 def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None = None) -> list[Trick]:

@@ -39,7 +39,9 @@ DEFAULT_CHUNK = 1024  # tokens per chunk of the chunked loss that "what makes it
 
 def toolbox_tricks(setup) -> list[tuple[str, object]]:
     """Lesson 7's exact tricks for "what makes it fit" (time only, same result), in the order
-    practitioners stack them; a combination the planner refuses is skipped there."""
+    practitioners stack them. "What makes it fit" tries them after the tricks of lessons 1 to 5 (the
+    recipe lesson 5 trains), when those are not enough; a combination the planner refuses (the step in
+    backward after accumulation) is skipped."""
     tricks = []
     if not setup.optimizer_in_backward and setup.accum == 1:
         tricks.append(("optimizer step in backward", replace(setup, optimizer_in_backward=True)))
