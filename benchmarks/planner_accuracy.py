@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [] if args.toolbox else [(m, s, label, fields, ckpt) for m in ARCHITECTURES for s in seqs
                                      for label, fields in recipes for ckpt in (False, True)]
     if not args.quick:
-        cases += [(m, TOOLBOX_SEQ, label, fields, ckpt) for m in ARCHITECTURES for label, fields, ckpt in TOOLBOX_RECIPES]
+        cases += [(m, TOOLBOX_SEQ, label, fields, ckpt) for m in ARCHITECTURES
+                  for label, fields, ckpt in TOOLBOX_RECIPES]
     rows, start = [], time.perf_counter()
     print(f"Batch {BATCH}, vocabulary {VOCAB}, 4 layers; peak of training step 2 (optimizer state allocated), "
           f"torch {torch.__version__.split('+')[0]} on CPU.\n")

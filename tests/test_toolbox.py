@@ -65,6 +65,9 @@ def test_optimizer_in_backward_gives_the_same_weights(make_optimizer):
     for p, q in zip(plain.parameters(), fused.parameters()):
         assert torch.equal(p, q)
     assert set(in_backward.steps.values()) == {4}
+    in_backward.step()  # nothing to do: loops that call it keep working
+    assert set(in_backward.state) == set(fused.parameters()) and all(torch.equal(p, q) for p, q in
+                                                                      zip(plain.parameters(), fused.parameters()))
     in_backward.remove()
     square_loss(fused, x).backward()  # hooks removed: gradients stay
     assert all(p.grad is not None for p in fused.parameters())
@@ -120,7 +123,7 @@ def hf_loss(logits, labels, ignore_index=-100, num_items_in_batch=None):
                            ignore_index=ignore_index)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 3), seq=st.integers(1, 24), hidden=st.integers(1, 12), vocab=st.integers(2, 40),
        chunk=st.integers(1, 30), ignore_index=st.sampled_from([-100, 0, -1]), padded=st.integers(0, 24),
        bias=st.booleans(), items=st.booleans(), seed=st.integers(0, 2**16))
@@ -148,15 +151,15 @@ def test_chunked_loss_equals_the_plain_loss_and_every_gradient(batch, seq, hidde
 
 
 def test_chunked_loss_of_a_hugging_face_model_and_its_peak():
-    model = tiny_llama(vocab=8192)
-    ids = torch.randint(0, 8192, (2, 256))
+    model = tiny_llama(vocab=4096)
+    ids = torch.randint(0, 4096, (2, 128))
     labels = ids.clone()
-    labels[1, 200:] = -100
+    labels[1, 100:] = -100
     plain = model(input_ids=ids, labels=labels).loss
     plain.backward()
     plain_grads = _grads(model)
     model.zero_grad(set_to_none=True)
-    chunked = chunked_causal_lm_loss(model, ids, labels, 64)
+    chunked = chunked_causal_lm_loss(model, ids, labels, 32)
     chunked.backward()
     torch.testing.assert_close(chunked, plain)
     for name, grad in _grads(model).items():
@@ -165,8 +168,8 @@ def test_chunked_loss_of_a_hugging_face_model_and_its_peak():
     live = [*model.parameters(), ids, labels]
     plain_peak = peak_bytes(lambda: model(input_ids=ids, labels=labels).loss.backward(), live, CPU)
     model.zero_grad(set_to_none=True)
-    chunked_peak = peak_bytes(lambda: chunked_causal_lm_loss(model, ids, labels, 64).backward(), live, CPU)
-    logits = 2 * 256 * 8192 * 4
+    chunked_peak = peak_bytes(lambda: chunked_causal_lm_loss(model, ids, labels, 32).backward(), live, CPU)
+    logits = 2 * 128 * 4096 * 4
     assert plain_peak - chunked_peak > 2 * logits  # at least the logits and their gradient
 
 

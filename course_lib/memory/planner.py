@@ -224,7 +224,8 @@ def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[st
     """PlanError for a setup this model cannot have (options a bare count cannot use, a LoRA rank
     beyond every layer it adapts); a warning for a sequence beyond the model's positions (lesson 1)."""
     if spec is None:
-        used = [f"--{option.replace('_', '-')}" for option in SHAPE_OPTIONS if getattr(setup, option) != getattr(Setup(), option)]
+        used = [f"--{option.replace('_', '-')}" for option in SHAPE_OPTIONS
+                if getattr(setup, option) != getattr(Setup(), option)]
         if used:
             raise PlanError(f"{', '.join(used)} cannot change a plan from --params alone (no layer shapes, no "
                             "activations): name a model or a config.json to use them")
@@ -267,8 +268,10 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
     dequant = trace.dequant_transient
     copies = _autocast_copies(spec, setup)
     forward += trace.kept_outputs  # the previous step's outputs, until `outputs` is bound again
-    step = 0 if setup.optimizer_in_backward else grads + optimizer_step_extra(setup.optimizer, states.trainable_shapes, states.state_itemsize,
+    step = grads + optimizer_step_extra(setup.optimizer, states.trainable_shapes, states.state_itemsize,
                                          states.grad_itemsize, target == "cuda", setup.precision.startswith("mixed"))
+    if setup.optimizer_in_backward:  # lesson 7: no step after backward; the trace ran each update inside it
+        step = 0
     step += trace.kept_outputs
     batch = 2 * setup.batch * setup.seq * 8  # the int64 input ids and labels, live for the whole step
     activation_peak = max(forward + dequant + copies, head + dequant + copies, layers + dequant, tail) + batch

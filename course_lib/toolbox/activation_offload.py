@@ -24,7 +24,8 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     copied out and the original released; backward gets a fresh device copy of it. `to_host` and
     `to_device` count the bytes copied each way (a tensor saved twice is copied twice, as save_on_cpu
     does), `weights_to_host` the part of `to_host` that copies the `weights` given (the parameters a
-    matmul saves for its backward). On the meta device only shapes travel.
+    matmul saves for its backward). On the meta device only shapes travel; on CUDA it is an unpinned,
+    synchronous save_on_cpu.
     """
 
     def __init__(self, weights=()) -> None:
@@ -40,7 +41,7 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             self.weights_to_host += nbytes
         data = None
         if tensor.device.type != "meta":
-            data = tensor.detach().reshape(-1).view(torch.uint8).numpy().copy()
+            data = tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy().copy()
         return tensor.shape, tensor.dtype, tensor.device, data
 
     def _unpack(self, packed) -> torch.Tensor:
@@ -62,11 +63,3 @@ def transfer_seconds(to_host: int, to_device: int, bandwidth: float = PCIE3_X16)
     if not bandwidth > 0:
         raise ValueError(f"bandwidth must be positive bytes per second, got {bandwidth!r}")
     return (to_host + to_device) / bandwidth
-
-
-def offload_context(device: torch.device | str):
-    """What offloads a step's saved tensors on `device`: torch's `save_on_cpu(pin_memory=True)` on
-    CUDA, the emulation `HostOffload` elsewhere (lesson 7)."""
-    if torch.device(device).type == "cuda":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
-    return HostOffload()
