@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_qlora.py needs a CUDA GPU (the 1B-class configuration); on a CPU run the lesson 5 notebook")
         return 0
     from course_lib import qlora, qlora_gpu
+    from course_lib.measure import format_bytes
 
     parts = PARTS if args.part == "all" else (args.part,)
     results: dict = {"as_t4": args.as_t4, "seq": args.seq, "accum": args.accum}
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             if peaks.get("status") != "ok":
                 print(f"  expandable_segments:{value:<5}  {peaks.get('status')}: {peaks.get('error')}")
                 continue
-            print(f"  expandable_segments:{value:<5}  allocated {peaks['allocated_peak'] / 2**20:9.1f} MiB  "
-                  f"reserved {peaks['reserved_peak'] / 2**20:9.1f} MiB")
+            print(f"  expandable_segments:{value:<5}  allocated {format_bytes(peaks['allocated_peak']):>12}  "
+                  f"reserved {format_bytes(peaks['reserved_peak']):>12}")
         save()
     return 0
 

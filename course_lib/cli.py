@@ -75,8 +75,9 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
                                lora_rank=args.lora_rank, quant=args.quant, batch=args.batch, seq=args.seq,
                                checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
-                               loop=args.loop, gpu=args.gpu, optimizer_in_backward=args.optimizer_in_backward,
-                               chunked_loss=args.chunked_loss, offload_activations=args.offload_activations)
+                               loop=args.loop, gpu=args.gpu, gpus=args.gpus, shard=args.shard,
+                               optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
+                               offload_activations=args.offload_activations)
     except PlanError as error:
         raise UserError(str(error)) from None
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
@@ -146,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="what autograd saves goes to host memory (torch's save_on_cpu)")
     plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
                                     "h200, rtx3090, rtx4090")
+    plan.add_argument("--gpus", type=int, metavar="N", help="N GPUs train together (data parallel); the plan "
+                                                           "is one GPU's share, --batch per GPU (lesson 6)")
+    plan.add_argument("--shard", metavar="STAGE", help="what the N GPUs partition: none (DDP, default), zero1 "
+                                                       "(optimizer state), zero2 (+ gradients), zero3 (+ weights)")
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser

@@ -32,6 +32,13 @@ def pick_device(prefer: str | None = None) -> torch.device:
     return torch.device("cuda")
 
 
+def synchronize() -> None:
+    """Wait for the work queued on the GPU, so that a clock read after it is fair (lessons 4 and 5);
+    nothing to wait for on a CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def compute_capability(device: torch.device | None = None) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device, None on CPU (lesson 0, "Setup")."""
     device = torch.device(device) if device is not None else pick_device()

@@ -290,14 +290,17 @@ def peak_bytes(step: Callable[[], None], live: Iterable[torch.Tensor], device: t
     one micro-batch (lessons 2 and 5).
 
     On CPU the live-storage tracker counts the `live` tensors (model, optimizer state, batch) and
-    everything created during the step; on CUDA it is the caching allocator's peak, process-wide.
+    everything created during the step; on CUDA it is the caching allocator's peak, process-wide,
+    plus the `live` tensors in unified memory (a paged optimizer's state, lesson 4: cudaMallocManaged,
+    outside PyTorch's allocator), which occupy the GPU while the optimizer runs.
     """
     if device.type == "cuda":
+        paged = sum(t.numel() * t.element_size() for t in live if getattr(t, "is_paged", False))
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
+        return torch.cuda.max_memory_allocated(device) + paged
     tracker = LiveStorageTracker()
     for tensor in live:
         tracker.watch(tensor)

@@ -28,6 +28,7 @@ import torch
 from course_lib import isolate
 from course_lib.cpu_offload import CPUOffloadAdamW
 from course_lib.checkpointing import mlp_stack
+from course_lib.device import synchronize
 from course_lib.measure import GiB, MiB
 from course_lib.paging import params_from_module, simulate, simulate_offload, training_trace, TrainingSetup
 from course_lib.paging.probe import measure_bandwidths  # noqa: F401  (lesson 4 calls it from here)
@@ -157,10 +158,10 @@ class PrefetchTimeline:
         prefetch, update = optimizer.prefetch_state, optimizer.update_step
 
         def timed(kind: str, fn: Callable, p: torch.Tensor, *args) -> None:
-            _sync()
+            synchronize()
             start = time.perf_counter()
             fn(p, *args) if kind == "prefetch" else fn(*args)
-            _sync()
+            synchronize()
             state = optimizer.state.get(p, {})
             nbytes = sum(t.numel() * t.element_size() for t in state.values()
                          if isinstance(t, torch.Tensor) and getattr(t, "is_paged", False))
@@ -173,11 +174,6 @@ class PrefetchTimeline:
     def start_step(self) -> None:
         self.entries.clear()
         self.t0 = time.perf_counter()
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,19 +315,19 @@ def run_training(optimizer_name: str, shape: dict[str, int], steps: int, gpu: Vi
             timeline = PrefetchTimeline(opt)
         for step, tokens in enumerate(tokens_per_step):
             x = torch.randn(tokens, shape["hidden"], device=device)
-            _sync()
+            synchronize()
             t0 = time.perf_counter()
             loss = model(x).pow(2).mean()
-            _sync()
+            synchronize()
             t1 = time.perf_counter()
             loss.backward()
-            _sync()
+            synchronize()
             t2 = time.perf_counter()
             if timeline is not None:
                 timeline.start_step()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            _sync()
+            synchronize()
             t3 = time.perf_counter()
             del loss, x
             if step in flush and torch.cuda.is_available():
@@ -370,7 +366,7 @@ def warm_up(device: torch.device) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     del model, opt
-    _sync()
+    synchronize()
     release_cuda_memory()
 
 

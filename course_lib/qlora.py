@@ -372,10 +372,13 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     On CUDA, a recipe the planner predicts not to fit `gpu` (default: the device itself) is not run,
     and one that runs out of memory is reported as such. `policy` and `gpu` default to the device's;
     those `emulate_t4()` returns run the T4 recipe on a larger GPU (benchmarks/gpu_qlora.py --as-t4).
-    `weights` as in `build_model`. A paged optimizer's state stays in this process until it ends:
+    `timed_steps=0` measures the peak only (no step time). `weights` as in `build_model`. A paged
+    optimizer's state stays in this process until it ends:
     on CUDA, measure each recipe in its own process (`ablation` does).
     """
     recipe.validate()
+    if isinstance(timed_steps, bool) or not isinstance(timed_steps, int) or timed_steps < 0:
+        raise ValueError(f"timed_steps must be a whole number >= 0 (0: the peak only), got {timed_steps!r}")
     device = torch.device(device)
     if gpu is not None and device.type != "cuda":
         raise ValueError("gpu= sets the memory a CUDA run may use: it needs device='cuda'")
@@ -427,7 +430,7 @@ def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, 
     with _quiet():
         optimizer_step()  # unmeasured: the optimizer state appears
         times = []
-        for _ in range(max(timed_steps, 1)):
+        for _ in range(timed_steps):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
@@ -440,23 +443,14 @@ def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, 
     del model, optimizer
     if device.type == "cuda":
         offload.release_cuda_memory()
-    return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times), trainable)
+    return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times) if times else None, trainable)
 
 
 def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
-    """Peak bytes of one whole optimizer step (every micro-batch and the update): the caching
-    allocator's peak on CUDA, `course_lib.measure.LiveStorageTracker` on a CPU (lesson 0's measurer,
-    run over the whole accumulation window rather than one micro-batch).
-
-    On CUDA a paged optimizer's state lives in unified memory (cudaMallocManaged, lesson 4), outside
-    PyTorch's allocator: its bytes are added, as they occupy the GPU while the optimizer runs.
-    """
+    """Peak bytes of one whole optimizer step (every micro-batch and the update), measured by
+    `course_lib.measure.peak_bytes` (lesson 0's measurer, run over the whole accumulation window)."""
     optimizer.zero_grad(set_to_none=True)
-    state = optimizer_state_tensors(optimizer)
-    peak = peak_bytes(step, [*model.parameters(), *model.buffers(), *state, ids], device)
-    if device.type == "cuda":
-        peak += sum(t.numel() * t.element_size() for t in state if getattr(t, "is_paged", False))
-    return peak
+    return peak_bytes(step, [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), ids], device)
 
 
 def _catalog_gpu(device: torch.device):
@@ -508,7 +502,7 @@ def format_ablation(rows: list[Row]) -> str:
             lines.append(f"{r.label:<{width}}  {'-':>10}  {format_bytes(r.predicted_peak):>10}  ({r.status})")
             continue
         lines.append(f"{r.label:<{width}}  {format_bytes(r.measured_peak):>10}  {format_bytes(r.predicted_peak):>10}"
-                     f"  {r.error:>+6.1%}  {r.measured_peak / head:>8.2f}  {r.step_ms:>8.0f}")
+                     f"  {r.error:>+6.1%}  {r.measured_peak / head:>8.2f}  {'-' if r.step_ms is None else f'{r.step_ms:.0f}':>8}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from course_lib.toolbox import LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward
     (dict(offload_activations=1), "offload_activations must be True or False"),
     (dict(optimizer_in_backward=True, accum=8), "nothing to accumulate into"),
     (dict(offload_activations=True, checkpointing="every-layer"), "one of them at a time"),
+    (dict(chunked_loss=64, gpus=2), "does not model lesson 7's tricks under data parallelism"),
 ])
 def test_bad_values_are_one_line_plan_errors(options, message):
     with pytest.raises(PlanError, match=message) as error:

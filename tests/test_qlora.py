@@ -141,6 +141,11 @@ def test_planner_within_ten_percent_and_tricks_save_memory(config):
         assert row.step_ms > 0
     assert on.measured_peak < no_quant.measured_peak < off.measured_peak
     assert on.trainable == no_quant.trainable < off.trainable
+    peak_only = qlora.measure_recipe(config, qlora.Recipe(seq=64, accum=2), timed_steps=0)
+    assert (peak_only.measured_peak, peak_only.step_ms) == (on.measured_peak, None)  # exact on a CPU: untimed, same peak
+    assert "-" in qlora.format_ablation([on, peak_only]).splitlines()[-1].split()[-1]
+    with pytest.raises(ValueError, match="timed_steps"):
+        qlora.measure_recipe(config, qlora.Recipe(seq=64), timed_steps=-1)
 
 
 def test_rows_that_cannot_run_on_the_gpu_say_why(config, monkeypatch):

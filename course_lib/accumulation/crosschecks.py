@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import socket
 import tempfile
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,12 +123,6 @@ class DDPReport(PlainTextTable):
                 f"vs one process {self.max_diff_vs_single:.1e}, between ranks {self.max_diff_between_ranks:.1e}")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_data(world_size: int, n_micro: int, rows_per_rank: int, seed: int):
     """Full micro-batches and each rank's shard; rank r holds rows r::world_size of every micro-batch."""
     full = padded_token_batches(n_micro, batch_size=rows_per_rank * world_size, seed=seed)
@@ -147,48 +138,39 @@ def _ddp_train(model: nn.Module, batches, k: int, mistakes: tuple[str, ...] = ()
     loop_class(mistakes)(model, opt, TokenLoss(), k, scheduler=sched, progress=False).run(batches)
 
 
-def _ddp_worker(rank: int, world_size: int, port: int, out_dir: str, variants, n_micro: int, k: int,
-                rows_per_rank: int, seed: int, timeout_s: float) -> None:
-    import datetime
-
+def _ddp_worker(rank: int, world_size: int, variants, n_micro: int, k: int, rows_per_rank: int, seed: int) -> dict:
+    """One rank of the cross-check, in a gloo group started by `course_lib.sharding.run_ranks`."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        _, shards = _ddp_data(world_size, n_micro, rows_per_rank, seed)
-        results = {}
-        for mistakes in variants:
-            model = TinyTokenLM(seed=seed)
-            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-            calls: list[int] = []
+    _, shards = _ddp_data(world_size, n_micro, rows_per_rank, seed)
+    results = {}
+    for mistakes in variants:
+        model = TinyTokenLM(seed=seed)
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+        calls: list[int] = []
 
-            def counting_hook(state, bucket):
-                calls.append(bucket.index())
-                group = dist.group.WORLD
-                fut = dist.all_reduce(bucket.buffer() / world_size, group=group, async_op=True).get_future()
-                return fut.then(lambda f: f.value()[0])
+        def counting_hook(state, bucket):
+            calls.append(bucket.index())
+            group = dist.group.WORLD
+            fut = dist.all_reduce(bucket.buffer() / world_size, group=group, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
 
-            ddp.register_comm_hook(None, counting_hook)
-            per_window: list[int] = []
-            marks = [0]
+        ddp.register_comm_hook(None, counting_hook)
+        per_window: list[int] = []
+        marks = [0]
 
-            def after_step(optimizer, args, kw):
-                per_window.append(len(calls) - marks[0])
-                marks[0] = len(calls)
+        def after_step(optimizer, args, kw):
+            per_window.append(len(calls) - marks[0])
+            marks[0] = len(calls)
 
-            _ddp_train(ddp, shards[rank], k, mistakes, step_hook=after_step)
-            buckets = max(calls) + 1 if calls else 1
-            results[tuple(mistakes)] = {
-                "state": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "rounds_per_window": [c // buckets for c in per_window],
-                "buckets": buckets,
-            }
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        _ddp_train(ddp, shards[rank], k, mistakes, step_hook=after_step)
+        buckets = max(calls) + 1 if calls else 1
+        results[tuple(mistakes)] = {
+            "state": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "rounds_per_window": [c // buckets for c in per_window],
+            "buckets": buckets,
+        }
+    return results
 
 
 def ddp_accumulation_demo(variants: Sequence[Sequence[str]] = ((),), world_size: int = 2, n_micro: int = 6,
@@ -202,27 +184,14 @@ def ddp_accumulation_demo(variants: Sequence[Sequence[str]] = ((),), world_size:
     gradient all-reduces of each window. Processes start with `spawn` on 127.0.0.1 and a free port;
     they are killed and an error is raised if they do not finish within `timeout_s`.
     """
-    import torch.multiprocessing as mp
+    from course_lib.sharding.launch import run_ranks
 
     variants = [tuple(v) for v in variants]
     for v in variants:
         loop_class(v)  # an unknown mistake is refused before any process starts
     full, _ = _ddp_data(world_size, n_micro, rows_per_rank, seed)
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = (world_size, _free_port(), out_dir, variants, n_micro, accumulation_steps, rows_per_rank, seed,
-                timeout_s)
-        context = mp.start_processes(_ddp_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {world_size} DDP processes did not finish within {timeout_s:.0f} s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join(5)
-        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+    per_rank = run_ranks(_ddp_worker, world_size, variants, n_micro, accumulation_steps, rows_per_rank, seed,
+                         timeout_s=timeout_s, what="DDP processes")
     reports = []
     for v in variants:
         single = TinyTokenLM(seed=seed)

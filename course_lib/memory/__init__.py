@@ -25,6 +25,7 @@ meta-device step), `compose` and `cache` (the fast path), `gpus` (the catalog an
 from course_lib.memory.fit import what_makes_it_fit
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, GPUS, default_precision, get_gpu
 from course_lib.memory.planner import Plan, Trick, korthikanti_bytes, plan, plan_from_cli
+from course_lib.memory.sharded import SHARDS, offload_prediction
 from course_lib.memory.setup import (ATTENTIONS, CATEGORIES, DEFAULT_LORA_RANK, LOOPS, OPTIMIZERS, PRECISIONS, QUANTS,
                                      PlanError, Setup)
 from course_lib.memory.states import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_QMAPS_BYTES, NF4_BLOCK, NF4_DQ_BLOCK,
@@ -33,6 +34,6 @@ from course_lib.memory.trace import Trace, trace_step
 
 __all__ = ["ATTENTIONS", "BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "BNB_QMAPS_BYTES", "CATEGORIES", "CUDA_CONTEXT_BYTES",
            "DEFAULT_LORA_RANK", "GPU", "GPUS", "LOOPS", "ModelStates", "NF4_BLOCK", "NF4_DQ_BLOCK", "OPTIMIZERS",
-           "PRECISIONS", "Plan", "PlanError", "QUANTS", "Setup", "Trace", "Trick", "default_precision", "get_gpu",
-           "korthikanti_bytes", "model_states", "nf4_bytes", "optimizer_state_bytes", "plan", "plan_from_cli",
+           "PRECISIONS", "Plan", "PlanError", "QUANTS", "SHARDS", "Setup", "Trace", "Trick", "default_precision", "get_gpu",
+           "korthikanti_bytes", "model_states", "nf4_bytes", "offload_prediction", "optimizer_state_bytes", "plan", "plan_from_cli",
            "trace_step", "what_makes_it_fit"]

@@ -19,6 +19,11 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
     if setup.batch > 1 and not setup.optimizer_in_backward:
         tricks.append((f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
                        replace(setup, batch=1, accum=setup.batch * setup.accum)))
+    if setup.gpus is not None and setup.gpus > 1 and setup.shard != "zero3":  # exact; costs communication (lesson 6)
+        from course_lib.memory.sharded import SHARDS
+
+        stage = SHARDS[SHARDS.index(setup.shard) + 1]
+        tricks.append((f"shard across the {setup.gpus} GPUs: {stage}", replace(setup, shard=stage)))
     if setup.optimizer in ("adamw", "paged_adamw32bit"):
         tricks.append(("8-bit AdamW (bitsandbytes)", replace(setup, optimizer="adamw8bit")))
     if not setup.lora_rank:

@@ -83,7 +83,9 @@ class Plan:
         }
 
     def rows(self) -> list[tuple[str, int]]:
-        return [(c, self.bytes[c]) for c in CATEGORIES]
+        """(category, bytes); `sharding_buffers` (before the total) only in a plan with --gpus (lesson 6)."""
+        shown = [c for c in CATEGORIES if c != "total"] + ["sharding_buffers"] * ("sharding_buffers" in self.bytes)
+        return [(c, self.bytes[c]) for c in shown + ["total"]]
 
     def __str__(self) -> str:
         head = self.model if self.model.endswith("parameters") else f"{self.model}: {self.n_params:,} parameters"
@@ -93,11 +95,17 @@ class Plan:
                  + (f", {self.setup.quant}" if self.setup.quant != "none" else "")
                  + f", batch {self.setup.batch} x seq {self.setup.seq}"
                  + (f" x accum {self.setup.accum}" if self.setup.accum > 1 else "")
-                 + (f", checkpointing {self.setup.checkpointing}" if self.setup.checkpointing != "none" else "")]
+                 + (f", checkpointing {self.setup.checkpointing}" if self.setup.checkpointing != "none" else "")
+                 + (f", {self.setup.gpus} GPUs, shard {self.setup.shard} (one GPU's share)"
+                    if self.setup.gpus is not None else "")]
         for name, value in self.rows():
-            shown = "unknown (no model shapes)" if name == "activations" and not self.activations_known \
+            unknown = name in ("activations", "sharding_buffers") and not self.activations_known
+            shown = "unknown (no model shapes)" if unknown \
                 else f"{value / GiB:10.2f} GiB"
             lines.append(f"  {name:<21} {shown}")
+        if self.setup.gpus is not None:
+            states = sum(self.bytes[c] for c in ("weights", "gradients", "optimizer_state", "master_weights"))
+            lines.append(f"  model states per GPU: {states / 1e9:.3f} GB (10^9 bytes, the ZeRO paper's unit)")
         lines.append(self.verdict())
         if self.tricks:
             lines.append("What makes it fit, in order (each on top of the ones before):")
@@ -195,7 +203,7 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"overhead: CUDA context and libraries, about {format_bytes(CUDA_CONTEXT_BYTES)} "
                      "(300 to 700 MB, docs/references.md#pytorch-issue-28113-memory-used-when-cuda-starts), "
                      "not seen by torch.cuda.memory_allocated")
-    if cuda and setup.optimizer == "adamw" and spec is not None:
+    if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None:  # one GPU: all of sqrt(v)
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
                      f"(optimizer_temporaries: what it adds over the activations' peak); "
@@ -214,6 +222,14 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     if setup.accum > 1:
         notes.append(f"effective batch {setup.batch * setup.accum} = micro-batch {setup.batch} x {setup.accum} "
                      "accumulation steps; gradients stay allocated during the micro-batches")
+    if setup.gpus is not None:
+        from course_lib.memory.sharded import sharded_values
+
+        trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
+        values, shard_detail, shard_notes = sharded_values(spec, setup, values, trace,
+                                                           [math.prod(s) for s in states.trainable_shapes])
+        detail.update(shard_detail)
+        notes += shard_notes
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
 
 
@@ -243,16 +259,22 @@ def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[st
     return []
 
 
+def checkpointing_changes(trace, setup: Setup):
+    """Lesson 3's cost of the setup's checkpointing plan on this trace: (the plan's cost, the change of
+    the bytes held through forward (<= 0), the change of the backward peak)."""
+    n = len(trace.saved)
+    none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
+    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, checkpointing.named_plan(n, setup.checkpointing),
+                                     output_bytes=trace.output)
+    return chosen, chosen.forward_bytes - none.forward_bytes, chosen.peak_bytes - none.peak_bytes
+
+
 def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
     """The most a step adds on top of all model states (activations, temporaries), and details."""
 
     trace = trace_step(spec, setup, target)
     n = len(trace.saved)
-    none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
-    segments = checkpointing.named_plan(n, setup.checkpointing)
-    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, segments, output_bytes=trace.output)
-    held_change = chosen.forward_bytes - none.forward_bytes   # <= 0: what checkpointing drops
-    peak_change = chosen.peak_bytes - none.peak_bytes
+    chosen, held_change, peak_change = checkpointing_changes(trace, setup)
     grads = states.gradients
     if setup.accum > 1:  # gradients of earlier micro-batches are live throughout; new ones are added in
         largest_grad = max(math.prod(s) for s in states.trainable_shapes) * states.grad_itemsize

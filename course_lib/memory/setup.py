@@ -39,6 +39,8 @@ class Setup:
     loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
     `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
     backward and the step, and into the next forward until `outputs` is bound again.
+    gpus: None (one GPU, no data parallelism) or N GPUs training together, `batch` per GPU; shard:
+    "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.memory.sharded`).
     Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
     chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
     moves what autograd saves to host memory (torch's save_on_cpu).
@@ -57,6 +59,8 @@ class Setup:
     accum: int = 1
     attention: str = "sdpa"
     loop: str = "trainer"
+    gpus: int | None = None
+    shard: str = "none"
     optimizer_in_backward: bool = False
     chunked_loss: int | None = None
     offload_activations: bool = False
@@ -88,6 +92,9 @@ class Setup:
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
 
+        from course_lib.memory.sharded import validate as validate_sharding
+
+        validate_sharding(self)
         try:
             checkpointing.named_plan(4, self.checkpointing)
         except ValueError as error:

@@ -29,6 +29,10 @@ def validate_toolbox(setup) -> None:
     if setup.optimizer_in_backward and setup.accum > 1:
         raise PlanError(f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
                         "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1")
+    used = [name for name in ("optimizer_in_backward", "chunked_loss", "offload_activations") if getattr(setup, name)]
+    if used and setup.gpus is not None:
+        raise PlanError(f"{used[0]} with --gpus {setup.gpus}: the planner does not model lesson 7's tricks under "
+                        "data parallelism or sharding; plan one GPU")
     if setup.offload_activations and setup.checkpointing != "none":
         raise PlanError("offload_activations with checkpointing: the planner models one of them at a time "
                         "(transformers' activation_checkpointing_enable(offload=True) is not modelled)")

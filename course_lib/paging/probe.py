@@ -15,15 +15,10 @@ from __future__ import annotations
 import statistics
 import time
 
+from course_lib.device import synchronize
 from course_lib.measure import MiB
 
 CHUNK = 2 * MiB
-
-
-def _sync() -> None:
-    import torch
-
-    torch.cuda.synchronize()
 
 
 def managed_buffer(nbytes: int):
@@ -47,7 +42,7 @@ def gpu_touch(buffer, start: int = 0, nbytes: int | None = None) -> float:
     import bitsandbytes.functional as F
 
     view = _view(buffer, start, buffer.numel() - start if nbytes is None else nbytes)
-    _sync()
+    synchronize()
     t = time.perf_counter()
     F.fill(view, 1)           # synchronizes: paged operations are asynchronous
     return time.perf_counter() - t
@@ -58,10 +53,10 @@ def gpu_prefetch(buffer, start: int = 0, nbytes: int | None = None) -> float:
     import bitsandbytes.functional as F
 
     view = _view(buffer, start, buffer.numel() - start if nbytes is None else nbytes)
-    _sync()
+    synchronize()
     t = time.perf_counter()
     F.prefetch_tensor(view)
-    _sync()
+    synchronize()
     return time.perf_counter() - t
 
 
@@ -86,10 +81,10 @@ def measure_bandwidths(nbytes: int = 512 * MiB, repeats: int = 3) -> dict[str, f
     def best(fn) -> float:
         times = []
         for _ in range(repeats):
-            _sync()
+            synchronize()
             t = time.perf_counter()
             fn()
-            _sync()
+            synchronize()
             times.append(time.perf_counter() - t)
         return nbytes / min(times)
 

@@ -1,0 +1,79 @@
+"""Start N CPU processes that form one gloo process group on 127.0.0.1 (lessons 2 and 6).
+
+`run_ranks(worker, world_size, *args)` starts `world_size` Python processes (from the fork server),
+each joins a gloo group on a free local port, calls `worker(rank, world_size, *args)` and
+hands its (picklable) result back; the results come back in rank order. Processes that do not
+finish within `timeout_s` are killed and a TimeoutError is raised; a rank that fails raises in the
+caller with that rank's error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, worker: Callable,
+           args: tuple, backend: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = worker(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# imported once by the fork server, before any rank is forked from it
+PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.qwen2.modeling_qwen2", "course_lib.sharding"]
+
+
+def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0, what: str = "processes",
+              backend: str = "gloo") -> list:
+    """`worker(rank, world_size, *args)` in `world_size` gloo processes; their results in rank order.
+
+    `worker` must be importable by name (a module-level function); `backend` is torch.distributed's
+    ("gloo" on CPU; "cuda:nccl,cpu:gloo" for one GPU per rank). The processes are forked from
+    Python's fork server: a clean process started at the first call, which imports torch and
+    transformers once (`PRELOAD`), so that each rank and each later call starts in a fraction of a
+    second instead of importing them again; the caller's own state (threads, tensors) is never forked.
+    """
+    import multiprocessing.forkserver
+
+    import torch.multiprocessing as mp
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, timeout_s, worker, args, backend),
+                                     nprocs=world_size, join=False, start_method="forkserver")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=min(0.5, max(deadline - time.monotonic(), 0.001))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {world_size} {what} did not finish within {timeout_s:.0f} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

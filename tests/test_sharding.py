@@ -1,0 +1,136 @@
+"""Lesson 6: ZeRO's stages on real engines, measured per rank in 2 gloo processes, against the planner
+and the paper (one spawn measures all four stages)."""
+
+import functools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from course_lib import cli
+from course_lib.checkpointing.demo_models import tiny_decoder
+from course_lib.memory import PlanError, offload_prediction, plan
+from course_lib.memory.sharded import fsdp_fraction, zero1_shares
+from course_lib.models import spec_from_model
+from course_lib.sharding import STAGES, measure_sharding, run_ranks
+from course_lib.sharding.engines import wrap
+
+BUILD = functools.partial(tiny_decoder, "llama", n_layers=3, hidden=64, vocab=256)
+BATCH, SEQ, N = 1, 16, 2
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return {(s.stage, s.rank): s for s in measure_sharding(BUILD, N, STAGES, batch=BATCH, seq=SEQ, timeout_s=240)}
+
+
+@pytest.fixture(scope="module")
+def spec():
+    model = BUILD()
+    return spec_from_model(model, "tiny-llama", model.config)
+
+
+def test_each_stage_lowers_every_ranks_peak(steps):
+    for rank in range(N):
+        peaks = [steps[stage, rank].peak for stage in STAGES]
+        assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+
+
+def test_model_states_are_partitioned_as_the_paper_says(steps, spec):
+    params = spec.n_params * 4
+    for rank in range(N):
+        none, zero1, zero3 = steps["none", rank], steps["zero1", rank], steps["zero3", rank]
+        assert none.parameters == none.gradients == params
+        assert zero1.parameters == zero1.gradients == params and zero1.optimizer_state < 0.6 * none.optimizer_state
+        assert zero3.parameters == zero3.gradients == params // N
+        assert sum(steps["zero1", r].optimizer_state for r in range(N)) == none.optimizer_state
+
+
+def test_bytes_sent_are_the_papers_2x_and_3x(steps, spec):
+    psi = spec.n_params * 4 * (N - 1) / N          # one pass of the parameters through a ring
+    for rank in range(N):
+        assert steps["none", rank].sent_by_collective == {"all_reduce": 2 * psi}  # DDP: 2 x parameters
+        assert steps["zero2", rank].bytes_sent == pytest.approx(2 * psi, rel=0.01)
+        assert steps["zero3", rank].bytes_sent == pytest.approx(3 * psi, rel=0.01)  # 1.5 x DDP
+        calls = steps["zero3", rank].calls
+        assert calls["all_gather_single"] == 2 * calls["reduce_scatter_single"]  # forward and backward
+
+
+def test_the_planner_predicts_each_ranks_peak_within_10_percent(steps, spec):
+    for stage in STAGES:
+        predicted = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard=stage)
+        for rank in range(N):
+            assert predicted.total == pytest.approx(steps[stage, rank].peak, rel=0.10), (stage, rank)
+
+
+@pytest.mark.parametrize("stage, paper_gb", [("none", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
+def test_the_papers_four_numbers(stage, paper_gb):
+    p = plan(int(7.5e9), precision="mixed-bf16", optimizer="adamw", gpus=64, shard=stage)
+    states = sum(p.bytes[c] for c in ("weights", "gradients", "optimizer_state", "master_weights"))
+    psi, k, n = 7.5e9, 12, 64
+    formula = {"none": (4 + k) * psi, "zero1": 4 * psi + k * psi / n, "zero2": 2 * psi + (2 + k) * psi / n,
+               "zero3": (4 + k) * psi / n}[stage]
+    assert states == pytest.approx(formula, abs=64)
+    assert round(states / 1e9, 1) == pytest.approx(paper_gb, abs=0.05)  # the paper rounds 1.875 GB to 1.9
+
+
+def test_what_makes_it_fit_offers_sharding_with_more_than_one_gpu():
+    sharded = plan(int(7.5e9), precision="mixed-bf16", gpu="a100-80gb", gpus=8)
+    assert [t.name for t in sharded.tricks] == ["shard across the 8 GPUs: zero1"] and sharded.tricks[0].fits_after
+    single = plan(int(7.5e9), precision="mixed-bf16", gpu="a100-80gb")
+    assert not any("shard" in t.name for t in single.tricks)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "0"], "gpus must be a positive integer"),
+    (["--gpus", "2", "--shard", "zero4"], "unknown shard stage 'zero4'"),
+    (["--shard", "zero3"], "--shard zero3 needs --gpus N"),
+])
+def test_bad_sharding_input_is_one_line(capsys, argv, message):
+    code = cli.main(["plan", "--params", "7e9", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_plan_refuses_a_stage_without_gpus():
+    with pytest.raises(PlanError, match="needs --gpus"):
+        plan(7e9, shard="zero2")
+
+
+def test_an_unknown_engine_is_refused_before_spawning():
+    with pytest.raises(ValueError, match="unknown stage"):
+        measure_sharding(BUILD, 2, ["zero9"])
+    with pytest.raises(ValueError, match="unknown stage"):
+        wrap(BUILD(), "zero9", 1)
+
+
+def _slow(rank, world_size):
+    import time
+    time.sleep(60)
+
+
+def test_ranks_that_overrun_are_killed():
+    with pytest.raises(TimeoutError, match="did not finish"):
+        run_ranks(_slow, 1, timeout_s=1)
+
+
+def test_offload_moves_the_shards_and_nothing_else():
+    p = plan(int(7.5e9), precision="mixed-bf16", gpus=64, shard="zero3")
+    off = offload_prediction(p)
+    assert off["gpu"] + off["cpu"] == p.total and off["cpu"] == pytest.approx(16 * 7.5e9 / 64, abs=64)
+    assert off["pcie_per_step"] == pytest.approx(3 * 4 * 7.5e9 / 64, abs=64)  # two fp32 weight copies in, one out
+    with pytest.raises(PlanError, match="zero3"):
+        offload_prediction(plan(int(7.5e9), precision="mixed-bf16", gpus=64, shard="zero2"))
+
+
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=40), st.integers(1, 8))
+def test_zero1_shares_are_torchs_sorted_greedy_partition(numels, n):
+    shares = zero1_shares(numels, n)
+    assert sum(shares) == sum(numels) and len(shares) == n
+    assert max(shares) - min(shares) <= max(numels)  # greedy: no rank more than one tensor ahead
+
+
+def test_fsdp_shards_are_padded_chunks_of_dim_0(spec):
+    assert fsdp_fraction(spec, 1) == 1
+    assert fsdp_fraction(spec, 2) == 0.5  # every dim 0 of the test model is even
+    assert fsdp_fraction(spec, 3) > 1 / 3  # 64 rows in chunks of 22: rank 0 holds a padded chunk
