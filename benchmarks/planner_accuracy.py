@@ -11,6 +11,7 @@ recomputed layer's backward is the peak.
 
     .venv/bin/python benchmarks/planner_accuracy.py            # the whole matrix, a few minutes
     .venv/bin/python benchmarks/planner_accuracy.py --quick    # one sequence length, no LoRA
+    .venv/bin/python benchmarks/planner_accuracy.py --toolbox  # only lesson 7's tricks (TOOLBOX_RECIPES)
 
 The table in docs/planner_accuracy.md is this script's output.
 """
@@ -18,6 +19,7 @@ The table in docs/planner_accuracy.md is this script's output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -29,6 +31,7 @@ from course_lib.checkpointing import hf_checkpointing
 from course_lib.measure import MiB, measure_step, storage_bytes
 from course_lib.memory import Setup, plan
 from course_lib.models import build_model, spec_from_model
+from course_lib.toolbox import LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, chunked_causal_lm_loss
 
 BATCH = 4
 VOCAB = 8192
@@ -54,6 +57,21 @@ RECIPES = [
     ("mixed-bf16 AdamW", dict(precision="mixed-bf16", optimizer="adamw")),
     ("fp32 AdamW8bit", dict(precision="fp32", optimizer="adamw8bit")),
     ("LoRA r8, bf16 base", dict(precision="bf16", optimizer="adamw", lora_rank=8)),
+]
+# Lesson 7's tricks (course_lib.toolbox), at one sequence length: (label, setup fields, checkpointing)
+TOOLBOX_SEQ = 256
+TOOLBOX_RECIPES = [
+    ("fp32 Adafactor", dict(precision="fp32", optimizer="adafactor"), False),
+    ("bf16 Adafactor", dict(precision="bf16", optimizer="adafactor"), False),
+    ("fp32 SGD momentum", dict(precision="fp32", optimizer="momentum"), False),
+    ("fp32 step in bwd", dict(precision="fp32", optimizer="adamw", optimizer_in_backward=True), False),
+    ("fp32 chunked loss", dict(precision="fp32", optimizer="adamw", chunked_loss=128), False),
+    ("fp32 offload", dict(precision="fp32", optimizer="adamw", offload_activations=True), False),
+    ("bf16 offload", dict(precision="bf16", optimizer="adamw", offload_activations=True), False),
+    ("ckpt+bwd+chunk", dict(precision="fp32", optimizer="adamw", optimizer_in_backward=True,
+                            chunked_loss=128), True),
+    ("ckpt+bwd+chunk+8bit", dict(precision="fp32", optimizer="adamw8bit", optimizer_in_backward=True,
+                                 chunked_loss=128), True),
 ]
 
 
@@ -119,14 +137,10 @@ def build_case(model_type: str, setup: Setup, checkpointing: bool, changes: dict
     trainable = [p for p in model.parameters() if p.requires_grad]
     if setup.precision.startswith("mixed"):
         optimizer = MasterWeightAdamW(trainable)
-    elif setup.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-
-        optimizer = bnb.optim.AdamW8bit(trainable)
-    elif setup.optimizer == "sgd":
-        optimizer = torch.optim.SGD(trainable, lr=1e-3)
+    elif setup.optimizer_in_backward:  # lesson 7: one optimizer per parameter, stepped in backward
+        optimizer = OptimizerInBackward(trainable, LEAN_OPTIMIZERS[setup.optimizer][1])
     else:
-        optimizer = torch.optim.AdamW(trainable)
+        optimizer = LEAN_OPTIMIZERS[setup.optimizer][1](trainable)
     return config, model, optimizer
 
 
@@ -151,8 +165,11 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
     labels = ids.clone()
     kept = {}
 
-    def loss_fn():
-        outputs = model(input_ids=ids, labels=labels, use_cache=False)
+    def loss_fn():  # the forward; lesson 7: under offload hooks, or with the chunked loss
+        with HostOffload() if setup.offload_activations else contextlib.nullcontext():
+            if setup.chunked_loss is not None:
+                return chunked_causal_lm_loss(model, ids, labels, setup.chunked_loss)
+            outputs = model(input_ids=ids, labels=labels, use_cache=False)
         if loop == "keep-outputs":
             kept["outputs"] = outputs  # bound until the next forward returns, as in a tutorial loop
         return outputs.loss
@@ -187,6 +204,7 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one sequence length, first three recipes")
+    parser.add_argument("--toolbox", action="store_true", help="only lesson 7's rows (its tricks)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     from transformers.utils import logging
@@ -194,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity_error()
     seqs = (128,) if args.quick else (64, 256)
     recipes = RECIPES[:3] if args.quick else RECIPES
+    # (name, architecture, config changes, seq, (label, setup fields), checkpointing, loop)
+    cases = [] if args.toolbox else [(m, m, {}, s, recipe, ckpt, "trainer") for m in ARCHITECTURES for s in seqs
+                                     for recipe in recipes for ckpt in (False, True)] + EXTRA_CASES
+    if not args.quick:
+        cases += [(m, m, {}, TOOLBOX_SEQ, (label, fields), ckpt, "trainer") for m in ARCHITECTURES
+                  for label, fields, ckpt in TOOLBOX_RECIPES]
     rows, start = [], time.perf_counter()
     print(f"Batch {BATCH}, vocabulary {VOCAB}, 4 layers; peak of training step 2 (optimizer state allocated), "
           f"torch {torch.__version__.split('+')[0]} on CPU.\n")
@@ -202,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| states exact |")
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
-    cases = [(model_type, model_type, {}, seq, recipe, checkpointing, "trainer")
-             for model_type in ARCHITECTURES for seq in seqs for recipe in recipes for checkpointing in (False, True)]
-    for name, model_type, changes, seq, (label, fields), checkpointing, loop in cases + EXTRA_CASES:
+    for name, model_type, changes, seq, (label, fields), checkpointing, loop in cases:
         row = run_case(model_type, seq, label, fields, checkpointing, loop, changes, name)
         rows.append(row)
         ours = (row["predicted"] - row["measured"]) / row["measured"]

@@ -75,7 +75,9 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
                                lora_rank=args.lora_rank, quant=args.quant, batch=args.batch, seq=args.seq,
                                checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
-                               loop=args.loop, gpu=args.gpu, gpus=args.gpus, shard=args.shard)
+                               loop=args.loop, gpu=args.gpu, gpus=args.gpus, shard=args.shard,
+                               optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
+                               offload_activations=args.offload_activations)
     except PlanError as error:
         raise UserError(str(error)) from None
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
@@ -136,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--loop", choices=("trainer", "keep-outputs"),
                       help="trainer (default): only the loss is kept; keep-outputs: `outputs = model(**batch)` "
                            "keeps the logits alive through backward")
+    # lesson 7's tricks
+    plan.add_argument("--optimizer-in-backward", action="store_true", default=None,
+                      help="step each parameter in backward and free its gradient there (no accumulation)")
+    plan.add_argument("--chunked-loss", type=int, metavar="TOKENS",
+                      help="output layer and loss computed TOKENS tokens at a time, recomputed in backward")
+    plan.add_argument("--offload-activations", action="store_true", default=None,
+                      help="what autograd saves goes to host memory (torch's save_on_cpu)")
     plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
                                     "h200, rtx3090, rtx4090")
     plan.add_argument("--gpus", type=int, metavar="N", help="N GPUs train together (data parallel); the plan "

@@ -14,6 +14,7 @@ from course_lib.checks.checkpointing import *  # noqa: F401,F403  lesson 3
 from course_lib.checks.paging import *  # noqa: F401,F403  lesson 4
 from course_lib.checks.qlora import *  # noqa: F401,F403  lesson 5
 from course_lib.checks.sharding import *  # noqa: F401,F403  lesson 6
+from course_lib.checks.toolbox import *  # noqa: F401,F403  lesson 7
 
 for _name in [name for name in globals() if name.startswith("check_")]:
     globals()[_name] = hints_only(globals()[_name])

@@ -115,4 +115,5 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
         layer_backward_peak_without_grads=peak("layer_backward", True),
         tail_backward_peak_without_grads=peak("tail_backward", True),
         gradients=a.gradients + (b.gradients - a.gradients) * steps, **per_layer,
+        offloaded=a.offloaded + (b.offloaded - a.offloaded) * steps,
         **{name: getattr(a, name) for name in CONSTANT})

@@ -8,6 +8,7 @@ from dataclasses import replace
 from course_lib.memory.gpus import GPU, get_gpu
 from course_lib.memory.planner import Plan, Trick, _plan
 from course_lib.memory.setup import DEFAULT_LORA_RANK, PlanError, Setup
+from course_lib.memory.toolbox import toolbox_tricks
 
 
 def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
@@ -15,7 +16,7 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
     tricks = []
     if setup.checkpointing == "none":
         tricks.append(("activation checkpointing (every layer)", replace(setup, checkpointing="every-layer")))
-    if setup.batch > 1:
+    if setup.batch > 1 and not setup.optimizer_in_backward:
         tricks.append((f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
                        replace(setup, batch=1, accum=setup.batch * setup.accum)))
     if setup.gpus is not None and setup.gpus > 1 and setup.shard != "zero3":  # exact; costs communication (lesson 6)
@@ -34,7 +35,7 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
     if setup.quant == "none":  # as peft's QLoRA recipe does it: prepare_model_for_kbit_training included
         tricks.append(("QLoRA: NF4-DQ base + prepare_model_for_kbit_training",
                        replace(setup, quant="nf4-dq", prepare_kbit=True)))
-    return tricks
+    return tricks + toolbox_tricks(setup)  # lesson 7's, after the recipe of lessons 1 to 5
 
 
 def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None = None) -> list[Trick]:

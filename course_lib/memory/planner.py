@@ -13,7 +13,9 @@ from course_lib.measure import GiB, format_bytes
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, default_precision, fit_verdict, get_gpu
 from course_lib.memory.setup import CATEGORIES, PlanError, Setup, itemsize
 from course_lib.memory.states import ModelStates, model_states, optimizer_step_extra, target_match
+from course_lib.memory.toolbox import toolbox_notes
 from course_lib.memory.trace import trace_step
+from course_lib.paging.policies import PCIE3_X16
 from course_lib.models import model_spec, ModelNotFound, ModelSpec, supported_attention
 
 
@@ -168,6 +170,8 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
             raise PlanError(f"--quant {setup.quant} needs bitsandbytes, which is not importable here: "
                             "pip install bitsandbytes") from None
     states = model_states(spec, setup, n_params, cuda=cuda)
+    if setup.optimizer_in_backward:  # lesson 7: each gradient is freed in backward, right after its update
+        states = replace(states, gradients=0)
     base = states.weights + states.optimizer_state + states.master_weights + states.quantization
     notes: list[str] = warned
     detail: dict[str, int | float | str] = {}
@@ -211,6 +215,10 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     if setup.optimizer.startswith("paged"):
         notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
                      "(lesson 4), at a cost in time")
+    if spec is not None:
+        more_notes, more_detail = toolbox_notes(setup, trace_step(spec, setup, "cuda" if cuda else "cpu"), PCIE3_X16)
+        notes += more_notes
+        detail.update(more_detail)
     if setup.accum > 1:
         notes.append(f"effective batch {setup.batch * setup.accum} = micro-batch {setup.batch} x {setup.accum} "
                      "accumulation steps; gradients stay allocated during the micro-batches")
@@ -225,14 +233,15 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
 
 
-SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop")
+SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop", "chunked_loss", "offload_activations")
 
 
 def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[str]:
     """PlanError for a setup this model cannot have (options a bare count cannot use, a LoRA rank
     beyond every layer it adapts); a warning for a sequence beyond the model's positions (lesson 1)."""
     if spec is None:
-        used = [f"--{option}" for option in SHAPE_OPTIONS if getattr(setup, option) != getattr(Setup(), option)]
+        used = [f"--{option.replace('_', '-')}" for option in SHAPE_OPTIONS
+                if getattr(setup, option) != getattr(Setup(), option)]
         if used:
             raise PlanError(f"{', '.join(used)} cannot change a plan from --params alone (no layer shapes, no "
                             "activations): name a model or a config.json to use them")
@@ -284,6 +293,8 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
     forward += trace.kept_outputs  # the previous step's outputs, until `outputs` is bound again
     step = grads + optimizer_step_extra(setup.optimizer, states.trainable_shapes, states.state_itemsize,
                                          states.grad_itemsize, target == "cuda", setup.precision.startswith("mixed"))
+    if setup.optimizer_in_backward:  # lesson 7: no step after backward; the trace ran each update inside it
+        step = 0
     step += trace.kept_outputs
     batch = 2 * setup.batch * setup.seq * 8  # the int64 input ids and labels, live for the whole step
     activation_peak = max(forward + dequant + copies, head + dequant + copies, layers + dequant, tail) + batch

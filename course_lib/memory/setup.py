@@ -41,6 +41,9 @@ class Setup:
     backward and the step, and into the next forward until `outputs` is bound again.
     gpus: None (one GPU, no data parallelism) or N GPUs training together, `batch` per GPU; shard:
     "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.memory.sharded`).
+    Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
+    chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
+    moves what autograd saves to host memory (torch's save_on_cpu).
     """
 
     precision: str = "mixed-bf16"
@@ -58,6 +61,9 @@ class Setup:
     loop: str = "trainer"
     gpus: int | None = None
     shard: str = "none"
+    optimizer_in_backward: bool = False
+    chunked_loss: int | None = None
+    offload_activations: bool = False
 
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
@@ -93,6 +99,9 @@ class Setup:
             checkpointing.named_plan(4, self.checkpointing)
         except ValueError as error:
             raise PlanError(str(error)) from None
+        from course_lib.memory.toolbox import validate_toolbox
+
+        validate_toolbox(self)
         return self
 
     @property

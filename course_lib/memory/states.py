@@ -61,13 +61,15 @@ def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
 
 
 def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize: int,
-                          shapes: Sequence[tuple[int, ...]] | None = None, step_counters: bool = True) -> int:
+                          shapes: Sequence[tuple[int, ...]] | None = None, step_counters: bool = True,
+                          per_tensor: bool = False) -> int:
     """Exact bytes of an optimizer's state for trainable tensors of these sizes (lesson 1).
 
     `state_itemsize`: bytes per element of torch optimizers' state (the parameter's dtype, or 4 for
     fp32 state). bitsandbytes' optimizers keep 32-bit state in fp32 whatever the parameter dtype.
     `step_counters`: torch AdamW and Adafactor keep a float32 step tensor per parameter (on the CPU
-    unless capturable/fused: not GPU memory on a CUDA target).
+    unless capturable/fused: not GPU memory on a CUDA target). `per_tensor`: one optimizer per tensor
+    (lesson 7's step in backward): each bitsandbytes optimizer then has its own quantization maps.
     """
     steps = 4 * len(numels) if step_counters else 0
     if optimizer == "sgd":
@@ -77,19 +79,23 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
     if optimizer == "adamw":
         return 2 * sum(numels) * state_itemsize + steps
     if optimizer in ("adamw8bit", "paged_adamw8bit"):
-        total, any_8bit = 0, False
+        total, eight_bit = 0, 0
         for n in numels:
             if n < BNB_MIN_8BIT_SIZE:
                 total += 8 * n
             else:
-                any_8bit = True
+                eight_bit += 1
                 total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
-        return total + (BNB_QMAPS_BYTES if any_8bit else 0)
+        return total + BNB_QMAPS_BYTES * (eight_bit if per_tensor else min(eight_bit, 1))
     if optimizer == "paged_adamw32bit":
         return 8 * sum(numels)
     if optimizer == "lion":  # bitsandbytes Lion, 32-bit: one fp32 momentum
         return 4 * sum(numels)
-    if optimizer == "adafactor":  # torch.optim.Adafactor: factored second moment for 2-D and up
+    if optimizer == "adafactor":
+        # transformers' Adafactor (the Trainer's optim="adafactor"; lesson 7 measures it): a row and a
+        # column statistic per matrix, the full second moment of vectors, fp32 whatever the parameter's
+        # dtype (pass state_itemsize 4), and an fp32 RMS scalar per tensor on the parameter's device.
+        # torch.optim.Adafactor has the same layout in fp32 (its step tensor in place of the RMS).
         if shapes is None:
             raise PlanError("adafactor's state depends on tensor shapes: give a model, not only --params")
         total = 0
@@ -98,7 +104,7 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
                 total += (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * state_itemsize
             else:
                 total += math.prod(shape) * state_itemsize
-        return total + steps
+        return total + 4 * len(numels)
     raise PlanError(f"unknown optimizer {optimizer!r}")
 
 
@@ -108,8 +114,9 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
 
     torch AdamW on the CPU (single-tensor): sqrt(v) and its division live together, 2 x the largest
     tensor; on CUDA the default foreach path makes sqrt(v) for all tensors at once, 1 x all of them.
-    bitsandbytes' kernels update in place. Mixed precision converts each gradient to fp32 for the
-    master update.
+    bitsandbytes' kernels update in place. transformers' Adafactor (measured, lesson 7): the update
+    and its negation in fp32, 8 bytes per value of the largest tensor, 16 for a 16-bit one (fp32 copies
+    of its gradient and of itself). Mixed precision converts each gradient to fp32 for the master update.
     """
     if not shapes:
         return 0
@@ -118,8 +125,9 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
     extra = 0
     if optimizer == "adamw":
         extra = sum(numels) * state_itemsize if cuda else 2 * largest * state_itemsize
-    elif optimizer == "adafactor":
-        extra = max(math.prod(s) + 4 * s[-1] for s in shapes) * grad_itemsize
+    elif optimizer == "adafactor":  # update and its negation (fp32), plus fp32 copies of a 16-bit grad and param
+        extra = max(4 * math.prod(s) * (2 if grad_itemsize == 4 else 4)
+                    + 4 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else 1) for s in shapes)
     if mixed:
         extra += 4 * largest
     return extra
@@ -163,10 +171,11 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
     if not setup.lora_rank:
         shapes = [p.shape for p in spec.params]
         numels = [p.numel for p in spec.params]
-        state_size = 4 if (mixed or setup.adam_state == "fp32") else wsize
+        state_size = 4 if (mixed or setup.adam_state == "fp32" or setup.optimizer == "adafactor") else wsize
         return ModelStates(
             weights=sum(numels) * wsize, gradients=sum(numels) * wsize,
-            optimizer_state=optimizer_state_bytes(setup.optimizer, numels, state_size, shapes, step_counters),
+            optimizer_state=optimizer_state_bytes(setup.optimizer, numels, state_size, shapes, step_counters,
+                                                  setup.optimizer_in_backward),
             master_weights=4 * sum(numels) if mixed else 0, quantization=0,
             trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=wsize,
             state_itemsize=state_size)
@@ -187,6 +196,7 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
     weights += 4 * sum(lora_numels)
     return ModelStates(
         weights=weights, gradients=4 * sum(lora_numels),
-        optimizer_state=optimizer_state_bytes(setup.optimizer, lora_numels, 4, lora, step_counters),
+        optimizer_state=optimizer_state_bytes(setup.optimizer, lora_numels, 4, lora, step_counters,
+                                                  setup.optimizer_in_backward),
         master_weights=0, quantization=quantization, trainable=sum(lora_numels), frozen=spec.n_params,
         trainable_shapes=lora, grad_itemsize=4, state_itemsize=4)

@@ -13,6 +13,8 @@ import torch
 from course_lib.checkpointing.apply import find_layer_stack
 from course_lib.measure import LiveStorageTracker
 from course_lib.memory.setup import PlanError, Setup, itemsize
+from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
+from course_lib.toolbox.activation_offload import HostOffload
 from course_lib.models import build_model, ModelSpec, supported_attention
 
 
@@ -168,6 +170,7 @@ class Trace:
     backward_climbs_with_grads: tuple[int, ...] = ()
     layer_grads: tuple[int, ...] = ()
     head_grads: int = 0
+    offloaded: int = 0  # offload_activations: bytes copied to host memory in forward (and back in backward)
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
@@ -175,7 +178,9 @@ class Trace:
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets), setup.quant != "none",
-            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop)
+            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop,
+            setup.chunked_loss, setup.offload_activations,
+            (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None)
 
 
 _TRACES: dict[tuple, Trace] = {}
@@ -239,12 +244,14 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             tracer.set_phase(phase or tracer.phase, position)
         return hook
 
+    offload = HostOffload() if setup.offload_activations else None
+
     def pack(tensor):
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key not in param_keys and key not in saved_by and storage.nbytes():
             saved_by[key] = (current["layer"], storage.nbytes())
-        return tensor
+        return tensor if offload is None else offload.pack_hook(tensor)
 
     def pre_hook(index):
         def hook(module, args, kwargs):
@@ -278,9 +285,17 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         tracer.grad_bytes += param.grad.untyped_storage().nbytes()
         tracer.set_phase(tracer.phase)
 
+    in_backward = None
+    if setup.optimizer_in_backward:  # lesson 7: the step's temporaries of one tensor, then its gradient freed
+        from course_lib.memory.states import model_states
+
+        in_backward = step_in_backward_hook(tracer, setup, model_states(spec, setup, cuda=target == "cuda")
+                                            .state_itemsize, target == "cuda")
     for param in model.parameters():
         if param.requires_grad:
             handles.append(param.register_post_accumulate_grad_hook(grad_hook))
+            if in_backward is not None:
+                handles.append(param.register_post_accumulate_grad_hook(in_backward))
     ids = torch.zeros(setup.batch, setup.seq, dtype=torch.long, device="meta")
     from transformers.utils import logging as hf_logging
 
@@ -291,10 +306,11 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     try:
         with warnings.catch_warnings(), _sdpa_as_on(target):
             warnings.simplefilter("ignore")
-            with tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                outputs = model(input_ids=ids, labels=ids, use_cache=False)
-                loss = outputs.loss
-                kept = outputs.logits.untyped_storage().nbytes() if setup.loop == "keep-outputs" else 0
+            unpack = (lambda t: t) if offload is None else offload.unpack_hook
+            with tracer, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                loss, outputs = traced_loss(model, ids, setup)
+                kept = outputs.logits.untyped_storage().nbytes() \
+                    if setup.loop == "keep-outputs" and outputs is not None else 0
                 if setup.loop == "trainer":
                     del outputs
                 tracer.set_phase("head_backward")
@@ -332,7 +348,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
         saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, backward_climbs=climbs,
         backward_climbs_with_grads=climbs_with_grads, layer_grads=layer_grads, head_grads=head_grads,
-        by_position=dict(tracer.position_peaks))
+        offloaded=0 if offload is None else offload.to_host, by_position=dict(tracer.position_peaks))
 
 
 def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):

@@ -1,0 +1,101 @@
+"""Lesson 7's tricks in the planner: the optimizer step in backward, the chunked loss and activation
+offloading (lesson 7, "the planner learns them").
+
+Each is traced, not assumed: the meta-device step of `trace` runs the same code the lesson measures,
+`course_lib.toolbox`'s chunked loss, its `HostOffload` hooks (what `save_on_cpu` does: every saved
+tensor leaves the device in forward and comes back in backward) and, for the step in backward, a
+post-accumulate-grad hook that makes the step's temporaries of that one tensor and frees its gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from course_lib.memory.setup import PlanError
+from course_lib.memory.states import optimizer_step_extra
+
+
+def validate_toolbox(setup) -> None:
+    """PlanError, one line, for a bad value or a combination that cannot work (lesson 7)."""
+    for name in ("optimizer_in_backward", "offload_activations"):
+        if not isinstance(getattr(setup, name), bool):
+            raise PlanError(f"{name} must be True or False, got {getattr(setup, name)!r}")
+    chunk = setup.chunked_loss
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise PlanError(f"chunked_loss must be a positive number of tokens per chunk (or None: the plain "
+                        f"loss), got {chunk!r}")
+    if setup.optimizer_in_backward and setup.accum > 1:
+        raise PlanError(f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
+                        "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1")
+    used = [name for name in ("optimizer_in_backward", "chunked_loss", "offload_activations") if getattr(setup, name)]
+    if used and setup.gpus is not None:
+        raise PlanError(f"{used[0]} with --gpus {setup.gpus}: the planner does not model lesson 7's tricks under "
+                        "data parallelism or sharding; plan one GPU")
+    if setup.offload_activations and setup.checkpointing != "none":
+        raise PlanError("offload_activations with checkpointing: the planner models one of them at a time "
+                        "(transformers' activation_checkpointing_enable(offload=True) is not modelled)")
+
+
+DEFAULT_CHUNK = 1024  # tokens per chunk of the chunked loss that "what makes it fit" tries
+
+
+def toolbox_tricks(setup) -> list[tuple[str, object]]:
+    """Lesson 7's exact tricks for "what makes it fit" (time only, same result), in the order
+    practitioners stack them. "What makes it fit" tries them after the tricks of lessons 1 to 5 (the
+    recipe lesson 5 trains), when those are not enough; a combination the planner refuses (the step in
+    backward after accumulation) is skipped."""
+    tricks = []
+    if not setup.optimizer_in_backward and setup.accum == 1:
+        tricks.append(("optimizer step in backward", replace(setup, optimizer_in_backward=True)))
+    if setup.chunked_loss is None:
+        tricks.append((f"chunked loss ({DEFAULT_CHUNK} tokens a chunk)", replace(setup, chunked_loss=DEFAULT_CHUNK)))
+    if not setup.offload_activations and setup.checkpointing == "none":
+        tricks.append(("activation offloading to host memory (save_on_cpu)", replace(setup, offload_activations=True)))
+    return tricks
+
+
+def traced_loss(model: torch.nn.Module, ids: torch.Tensor, setup):
+    """(loss, outputs kept by the loop) of the traced step: the model's own loss, or lesson 7's chunked one."""
+    if setup.chunked_loss is None:
+        outputs = model(input_ids=ids, labels=ids, use_cache=False)
+        return outputs.loss, outputs
+    from course_lib.toolbox.chunked_loss import chunked_causal_lm_loss
+
+    return chunked_causal_lm_loss(model, ids, ids, setup.chunked_loss), None
+
+
+def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool):
+    """A post-accumulate-grad hook for the traced step: the step's temporaries for this one tensor,
+    then its gradient freed, as `course_lib.toolbox.OptimizerInBackward` does (lesson 7)."""
+    mixed = setup.precision.startswith("mixed")
+
+    def hook(param):
+        grad = param.grad
+        extra = optimizer_step_extra(setup.optimizer, [tuple(param.shape)], state_itemsize, grad.element_size(),
+                                     cuda, mixed)
+        temporaries = torch.empty(extra, dtype=torch.uint8, device=param.device) if extra else None
+        del temporaries
+        tracer.grad_bytes -= grad.untyped_storage().nbytes()
+        del grad
+        param.grad = None
+    return hook
+
+
+def toolbox_notes(setup, trace, link_bandwidth: float) -> tuple[list[str], dict]:
+    """The plan's notes and details for lesson 7's options."""
+    notes, detail = [], {}
+    if setup.optimizer_in_backward:
+        notes.append("optimizer in backward: each parameter is updated in its post-accumulate-grad hook and its "
+                     "gradient freed there (no full set of gradients, no accumulation, no global norm clip)")
+    if setup.chunked_loss is not None:
+        notes.append(f"chunked loss: the output layer and the loss run {setup.chunked_loss} tokens at a time, each "
+                     "chunk's logits recomputed in backward (lesson 7)")
+    if setup.offload_activations:
+        seconds = 2 * trace.offloaded / link_bandwidth
+        detail.update(offload_bytes_each_way=trace.offloaded, offload_seconds_predicted=seconds)
+        notes.append(f"offload activations: {trace.offloaded / 2**20:,.1f} MiB to host memory in forward and back in "
+                     f"backward, weights saved by matmuls included; predicted {seconds * 1e3:,.1f} ms per step at "
+                     f"{link_bandwidth / 1e9:.2f} GB/s each way (the T4's PCIe 3.0 x16), not overlapped")
+    return notes, detail

@@ -1,0 +1,89 @@
+"""A chunked cross-entropy: the output layer and the loss computed a chunk of tokens at a time, each
+chunk's logits recomputed in backward (lesson 7, "chunked loss").
+
+The plain loss of a causal LM materializes batch x seq x vocab logits (in the model's dtype), their
+fp32 upcast, the log-softmax cross_entropy saves, and in backward their gradient: for a 128k-token
+vocabulary that dwarfs a decoder layer's activations. Here each chunk of `chunk_size` tokens runs
+lm_head + cross_entropy under `torch.utils.checkpoint` (non-reentrant), so forward keeps only the
+hidden states it already had and backward rebuilds one chunk's logits at a time. The loss is Hugging
+Face's `ForCausalLMLoss` (transformers/loss/loss_utils.py): labels shifted left with `ignore_index`
+padding the end, logits upcast to fp32, the sum over tokens divided by `num_items_in_batch` when given,
+else the mean over tokens whose label is not `ignore_index`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    labels: torch.Tensor, softcap: float | None, ignore_index: int) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:  # Gemma-2's final_logit_softcapping, as its ForCausalLM applies it
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+
+
+def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Hugging Face's shift: position t is scored on token t+1; the last position on nothing."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                          *, bias: torch.Tensor | None = None, ignore_index: int = -100,
+                          num_items_in_batch: int | torch.Tensor | None = None, softcap: float | None = None,
+                          shift: bool = True) -> torch.Tensor:
+    """The causal LM loss of `hidden` (batch, seq, hidden) under the output layer `weight` (vocab,
+    hidden), `chunk_size` tokens at a time (lesson 7, "chunked loss"); equal to Hugging Face's loss of
+    `F.linear(hidden, weight, bias)` within float rounding, gradients included.
+
+    `shift=False`: `labels` are already aligned with the positions (HF's `shift_labels`).
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
+                         f"dimension, {tuple(hidden.shape[:-1])}")
+    targets = (shifted_labels(labels, ignore_index) if shift else labels).reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, y in zip(flat.split(chunk_size), targets.split(chunk_size)):
+        total = total + checkpoint(_chunk_loss_sum, h, weight, bias, y, softcap, ignore_index,
+                                   use_reentrant=False, preserve_rng_state=False)
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def hidden_states_and_head(model: torch.nn.Module, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.nn.Linear]:
+    """The last hidden states of a Hugging Face causal LM (its decoder, final norm included) and its
+    output layer, without computing the logits (lesson 7). A peft model is unwrapped first (its
+    adapters live inside the base model's layers)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    head = model.get_output_embeddings()
+    decoder = model.base_model
+    if head is None or decoder is model:
+        raise ValueError(f"{type(model).__name__} is not a Hugging Face causal LM with an output layer "
+                         "(get_output_embeddings) and a base model")
+    for name in ("logit_scale", "logits_scaling"):
+        if getattr(model.config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} scales its logits ({name}): chunked_causal_lm_loss does not")
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state, head
+
+
+def chunked_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                           *, attention_mask: torch.Tensor | None = None, ignore_index: int = -100,
+                           num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """`model(input_ids, attention_mask=..., labels=labels).loss` of a Hugging Face causal LM, with the
+    output layer and the loss computed `chunk_size` tokens at a time (lesson 7, "chunked loss")."""
+    hidden, head = hidden_states_and_head(model, input_ids, attention_mask)
+    return chunked_cross_entropy(hidden, head.weight, labels, chunk_size, bias=head.bias,
+                                 ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
+                                 softcap=getattr(model.config, "final_logit_softcapping", None))

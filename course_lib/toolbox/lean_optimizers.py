@@ -1,0 +1,91 @@
+"""Lean optimizers measured on real optimizer objects, tensor by tensor (lesson 7, "lean optimizers").
+
+SGD keeps nothing; SGD with momentum one buffer per parameter; torch AdamW two moments and a step
+counter; transformers' Adafactor (the one the Trainer's `optim="adafactor"` builds) a row and a
+column statistic per matrix (its factored second moment) and an fp32 RMS scalar per tensor;
+bitsandbytes' AdamW8bit two uint8 moments with a float32 absmax per 256 values (32-bit state for
+tensors under 4096 values). Each is built, stepped once on random gradients (state is created
+lazily in the first step) and its state counted storage by storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from course_lib.measure import optimizer_state_tensors, storage_bytes
+
+
+def _adafactor(params):
+    from transformers.optimization import Adafactor
+
+    # the Trainer's optim="adafactor": a fixed learning rate (transformers/trainer.py)
+    return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+def _adamw8bit(params):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=1e-3)
+
+
+# name -> (what it is, factory); the names are the planner's (course_lib.memory.OPTIMIZERS)
+LEAN_OPTIMIZERS: dict[str, tuple[str, Callable]] = {
+    "sgd": ("torch SGD", lambda ps: torch.optim.SGD(ps, lr=1e-3)),
+    "momentum": ("torch SGD, momentum 0.9", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)),
+    "adamw": ("torch AdamW", lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
+    "adafactor": ("transformers Adafactor", _adafactor),
+    "adamw8bit": ("bitsandbytes AdamW8bit", _adamw8bit),
+}
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of an optimizer's state; `bytes` is 0 for a storage already counted (shared)."""
+
+    parameter: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) -> list[StateTensor]:
+    """Every tensor of `optimizer.state`, named by its parameter, each storage counted once (lesson 7)."""
+    seen: set[int] = set()
+    rows = []
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()
+            nbytes = 0 if storage.data_ptr() in seen else storage.nbytes()
+            seen.add(storage.data_ptr())
+            rows.append(StateTensor(names.get(param, "?"), key, tuple(value.shape),
+                                    str(value.dtype).replace("torch.", ""), nbytes))
+    return rows
+
+
+def stepped_optimizer(model: torch.nn.Module, name: str, seed: int = 0) -> torch.optim.Optimizer:
+    """The optimizer `name` of LEAN_OPTIMIZERS over the model's trainable parameters, after one step on
+    random gradients (its state exists from then on; lesson 7)."""
+    if name not in LEAN_OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(LEAN_OPTIMIZERS)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
+    optimizer = LEAN_OPTIMIZERS[name][1](params)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def bytes_per_parameter(model: torch.nn.Module, name: str) -> tuple[int, float]:
+    """(state bytes, bytes per trainable parameter) of optimizer `name`, measured (lesson 7)."""
+    optimizer = stepped_optimizer(model, name)
+    total = storage_bytes(optimizer_state_tensors(optimizer))
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, total / n
