@@ -32,11 +32,18 @@ def test_a_recomputed_layers_backward_temporaries_are_predicted():
 
 def test_fed_its_climbs_the_cost_model_gives_the_traced_backward_peak_without_checkpointing():
     from course_lib.memory.compose import shallow_spec
-    from course_lib.memory.planner import layers_backward_peak
+    from course_lib import checkpointing
     from course_lib.memory.trace import _trace
     from course_lib.models import model_spec
 
+    def cost_model_peak(trace, with_grads):  # what the planner feeds lesson 3's cost model for a plan
+        return checkpointing.plan_cost(
+            trace.saved, trace.inputs, [], output_bytes=trace.output, head_bytes=0,
+            transient_bytes=trace.backward_climbs_with_grads if with_grads else trace.backward_climbs,
+            grad_bytes=trace.layer_grads if with_grads else None,
+            head_grad_bytes=trace.head_grads if with_grads else 0).peak_bytes
+
     for setup in (Setup(precision="mixed-bf16", batch=2, seq=64), Setup(precision="bf16", lora_rank=4, seq=48)):
         trace = _trace(shallow_spec(model_spec("llama-3.2-1b"), 3), setup, "cpu")
-        assert layers_backward_peak(trace, [], with_grads=True) == trace.layer_backward_peak
-        assert layers_backward_peak(trace, [], with_grads=False) == trace.layer_backward_peak_without_grads
+        assert cost_model_peak(trace, True) == trace.layer_backward_peak
+        assert cost_model_peak(trace, False) == trace.layer_backward_peak_without_grads

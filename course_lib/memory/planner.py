@@ -322,8 +322,12 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
 def layers_backward_peak(trace, segments, *, with_grads: bool) -> int:
     """The peak of the decoder layers' backward under a checkpointing plan (lesson 3's cost model fed
     with each layer's traced backward climb: a recomputed layer's backward needs its temporaries as
-    much as an unchecked one's). For no checkpointing it is the traced peak, to the byte. The turn
-    (head_bytes=0) is below the last layer's backward, which holds the same and climbs from there."""
+    much as an unchecked one's; fed them, the cost model of no plan gives the traced peak to the byte).
+    The turn (head_bytes=0) is below the last layer's backward, which holds the same and climbs from
+    there. With no plan the traced peak itself is taken: under activation offloading (lesson 7) the
+    saved bytes are not on the device, which the cost model cannot express."""
+    if not segments:
+        return trace.layer_backward_peak if with_grads else trace.layer_backward_peak_without_grads
     cost = checkpointing.plan_cost(
         trace.saved, trace.inputs, segments, output_bytes=trace.output, head_bytes=0,
         transient_bytes=trace.backward_climbs_with_grads if with_grads else trace.backward_climbs,
