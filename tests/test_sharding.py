@@ -182,3 +182,9 @@ def test_the_roots_unsharded_gradients_are_held_through_backward():
         grows.append(p.bytes["sharding_buffers"])
     root_grads = 2 * (32000 - 256) * 64 * 4  # embeddings and output layer, fp32
     assert grows[1] - grows[0] >= root_grads  # gathered root weights and their unsharded gradients
+
+
+def test_a_function_the_ranks_cannot_import_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="cannot send") as error:
+        run_ranks(lambda rank, world_size: rank, 1)
+    assert "\n" not in str(error.value)

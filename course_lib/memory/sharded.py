@@ -17,16 +17,21 @@ which stage), under `sharding_buffers`:
   gradients (torch/nn/parallel/distributed.py, gradient_as_bucket_view=False by default); zero1 splits
   the optimizer state by whole tensors, sorted-greedy (torch/distributed/optim/zero_redundancy_optimizer.py
   `_partition_parameters`): the plan is the rank with the largest share.
-- zero2, zero3 (FSDP2): each parameter is cut along dim 0 into N padded chunks (`_fsdp_param.py`).
-  The root's parameters (embeddings, final norm, output layer) stay gathered through forward and
-  backward; forward peaks at the output layer and the loss, with the last layer's flat all-gather
-  buffer still held (`_fsdp_collectives.py` foreach_all_gather); in backward zero3 holds the layer
-  running and the next one prefetched, plus the running layer's unsharded gradients until its
-  reduce-scatter; zero2 (reshard_after_forward=False) keeps every layer gathered from its forward
-  to its backward and gathers nothing in backward. `benchmarks/sharding_accuracy.py` measures it.
-  With a model, zero2's `weights` are FSDP2's shards and the gathered copies are `sharding_buffers`.
-  Under mixed precision FSDP2 keeps fp32 shards of weights and gradients (no 16-bit shard); the
-  categories stay the paper's (2 + 2 + 12 bytes per parameter), whose sum, 16/N, is the same.
+- zero2, zero3 (FSDP2; zero2 is a stand-in: FSDP2 with reshard_after_forward=False also shards the
+  weights, which ZeRO-2 keeps whole): each parameter is cut along dim 0 into N padded chunks
+  (`_fsdp_param.py`). The root's parameters (embeddings, final norm, output layer) stay gathered
+  through forward and backward, and their unsharded gradients wait for the root's reduce-scatter in
+  the final backward callback (`_fsdp_state.py` `_root_post_backward_final_callback`). Forward peaks
+  at the output layer and the loss, with the last layer's flat all-gather buffer still held
+  (`_fsdp_collectives.py` foreach_all_gather) and no gradient (each step starts with
+  zero_grad(set_to_none=True)); in backward zero3 holds the layer running and the next one prefetched,
+  plus the running layer's unsharded gradients until its reduce-scatter and the shards reduced so far;
+  zero2 keeps every layer gathered from its forward to its backward and gathers nothing in backward;
+  AdamW's step runs on the shards, its temporaries shrink with them.
+  The plan's categories are what is live in the phase that peaks (`detail["peak_phase"]`), and add up
+  to the total; `detail` keeps each phase's peak and activations. Under mixed precision FSDP2 keeps fp32
+  shards of weights and gradients (no 16-bit shard); the categories stay the paper's (2 + 2 + 12 bytes
+  per parameter), whose sum, 16/N, is the same. `benchmarks/sharding_accuracy.py` measures it.
 """
 
 from __future__ import annotations
