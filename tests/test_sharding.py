@@ -188,3 +188,22 @@ def test_a_function_the_ranks_cannot_import_is_refused_in_one_line():
     with pytest.raises(ValueError, match="cannot send") as error:
         run_ranks(lambda rank, world_size: rank, 1)
     assert "\n" not in str(error.value)
+
+
+def _fewest_from(start, model, setup, gpu, most=64, honour_most=True):
+    from dataclasses import replace
+    for n in range(start, (most if honour_most else 64) + 1):
+        if plan(model, replace(setup, gpus=n), gpu=gpu, suggest=False).fits:
+            return n
+    return None
+
+
+@pytest.mark.parametrize("answer, message", [
+    (functools.partial(_fewest_from, 2), "start counting at 1"),
+    (functools.partial(_fewest_from, 1, honour_most=False), "up to 2 makes it fit"),
+])
+def test_the_fewest_gpus_check_catches_a_loop_from_2_and_one_past_most(answer, message):
+    from course_lib.checks import check_fewest_gpus
+    check_fewest_gpus(functools.partial(_fewest_from, 1))
+    with pytest.raises(AssertionError, match=message):
+        check_fewest_gpus(answer)
