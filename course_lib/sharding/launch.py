@@ -75,7 +75,8 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
         try:
             return _run_once(worker, world_size, args, timeout_s, what, backend, method)
         except mp.ProcessRaisedException as error:  # another process took the free port first: retry
-            if "address already in use" not in str(error).lower() or attempt == 2:
+            message = str(error).lower()
+            if ("address already in use" not in message and "eaddrinuse" not in message) or attempt == 2:
                 raise
 
 
