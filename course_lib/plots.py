@@ -130,13 +130,14 @@ def plot_paging_timeline(result: SimulationResult, ax=None, *, steps: Sequence[i
 # ---------------------------------------------------------------------------------------------------
 
 def plot_sharding(steps: Sequence, predicted: dict | None = None, title: str | None = None):
-    """Rank 0's measured peak by category for each (world size, stage), stacked; the planner's peak as
-    a marker when `predicted` maps (world size, stage) to bytes (lesson 6, "measured, rank by rank")."""
+    """Rank 0's measured peak for each (world size, stage), stacked: the model states measured after the
+    step (a step starts with no gradients), then the rest of the peak; the planner's peak as a marker when `predicted` maps (world size, stage) to bytes (lesson 6, "measured, rank by rank")."""
     rows = sorted((s for s in steps if s.rank == 0), key=lambda s: (s.world_size, s.stage))
     positions = range(len(rows))
-    parts = [("parameters", [s.parameters for s in rows]), ("gradients", [s.gradients for s in rows]),
-             ("optimizer state", [s.optimizer_state for s in rows]),
-             ("activations and engine buffers", [s.peak - s.model_states for s in rows])]
+    parts = [("parameters (after the step)", [s.parameters for s in rows]),
+             ("gradients (after the step)", [s.gradients for s in rows]),
+             ("optimizer state (after the step)", [s.optimizer_state for s in rows]),
+             ("the rest of the peak (peak minus those)", [s.peak - s.model_states for s in rows])]
     fig, ax = plt.subplots(figsize=(10, 3.8))
     bottom = [0.0] * len(rows)
     for label, values in parts:
@@ -146,7 +147,9 @@ def plot_sharding(steps: Sequence, predicted: dict | None = None, title: str | N
     if predicted:
         ax.plot(list(positions), [predicted[s.world_size, s.stage] / MiB for s in rows], "k_", markersize=18,
                 markeredgewidth=2, label="predicted peak (planner)")
-    ax.set_xticks(list(positions), [f"{s.stage}\n{s.world_size} rank{'s' * (s.world_size > 1)}" for s in rows],
+    stage = {"zero2": "zero2 (FSDP2\nstand-in)"}
+    ax.set_xticks(list(positions), [f"{stage.get(s.stage, s.stage)}\n{s.world_size} rank{'s' * (s.world_size > 1)}"
+                                    for s in rows],
                   fontsize=8)
     ax.set_ylabel("peak memory of one rank (MiB)")
     ax.legend(fontsize=8)

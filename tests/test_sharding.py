@@ -134,3 +134,76 @@ def test_fsdp_shards_are_padded_chunks_of_dim_0(spec):
     assert fsdp_fraction(spec, 1) == 1
     assert fsdp_fraction(spec, 2) == 0.5  # every dim 0 of the test model is even
     assert fsdp_fraction(spec, 3) > 1 / 3  # 64 rows in chunks of 22: rank 0 holds a padded chunk
+
+
+CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
+              "sharding_buffers", "optimizer_temporaries", "overhead")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_categories_add_up_and_activations_do_not_depend_on_n(spec, stage):
+    by_phase = []
+    for n in (1, 2, 4, 8):
+        p = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=n, shard=stage)
+        assert sum(p.bytes[c] for c in CATEGORIES) == p.total, (stage, n)
+        if stage in ("zero2", "zero3"):
+            phases = dict(p.detail["activations_by_phase"])
+            assert p.bytes["activations"] == phases[p.detail["peak_phase"]]
+            phases.pop("layers backward")  # which layer peaks (the last or the first) may change with N
+            by_phase.append(phases)
+            assert p.bytes["gradients"] <= p.detail["gradient_shards"]
+    assert all(phases == by_phase[0] for phases in by_phase)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_an_8b_plan_names_its_peak_phase_and_its_categories_add_up(stage):
+    options = dict(precision="mixed-bf16", batch=1, seq=1024, checkpointing="every-layer", gpu="a100-40gb",
+                   suggest=False, shard=stage)
+    p4, p8 = plan("llama-3.1-8b", gpus=4, **options), plan("llama-3.1-8b", gpus=8, **options)
+    for p in (p4, p8):
+        assert sum(p.bytes[c] for c in CATEGORIES) == p.total
+        peaks = {"forward": p.detail["forward_peak"], "backward": p.detail["backward_peak"],
+                 "optimizer step": p.detail["optimizer_step_peak"]}
+        assert p.total == max(peaks.values()) + p.bytes["overhead"]
+        if p.detail["peak_phase"] == "optimizer step":
+            assert p.bytes["optimizer_temporaries"] > 0 and p.bytes["gradients"] == p.detail["gradient_shards"]
+        else:
+            assert p.bytes["optimizer_temporaries"] == 0
+    if stage == "zero3":  # the step runs on the CPU under offload: the GPU keeps what N does not divide
+        assert offload_prediction(p4)["gpu"] == offload_prediction(p8)["gpu"] < p8.total - p8.bytes["weights"]
+
+
+def test_the_roots_unsharded_gradients_are_held_through_backward():
+    small, large = (spec_from_model(m, "v", m.config) for m in
+                    (tiny_decoder("llama", n_layers=2, hidden=64, vocab=v) for v in (256, 32000)))
+    grows = []
+    for s in (small, large):
+        p = plan(s, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=4, shard="zero3")
+        grows.append(p.bytes["sharding_buffers"])
+    root_grads = 2 * (32000 - 256) * 64 * 4  # embeddings and output layer, fp32
+    assert grows[1] - grows[0] >= root_grads  # gathered root weights and their unsharded gradients
+
+
+def test_a_function_the_ranks_cannot_import_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="cannot send") as error:
+        run_ranks(lambda rank, world_size: rank, 1)
+    assert "\n" not in str(error.value)
+
+
+def _fewest_from(start, model, setup, gpu, most=64, honour_most=True):
+    from dataclasses import replace
+    for n in range(start, (most if honour_most else 64) + 1):
+        if plan(model, replace(setup, gpus=n), gpu=gpu, suggest=False).fits:
+            return n
+    return None
+
+
+@pytest.mark.parametrize("answer, message", [
+    (functools.partial(_fewest_from, 2), "start counting at 1"),
+    (functools.partial(_fewest_from, 1, honour_most=False), "up to 2 makes it fit"),
+])
+def test_the_fewest_gpus_check_catches_a_loop_from_2_and_one_past_most(answer, message):
+    from course_lib.checks import check_fewest_gpus
+    check_fewest_gpus(functools.partial(_fewest_from, 1))
+    with pytest.raises(AssertionError, match=message):
+        check_fewest_gpus(answer)

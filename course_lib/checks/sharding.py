@@ -48,25 +48,37 @@ def _fewest(model, setup: Setup, gpu: str, most: int) -> int | None:
     return None
 
 
+_NEVER = {  # why no number of GPUs makes a stage fit, when the undivided part alone is too large
+    "none": "plain data parallelism divides nothing: every GPU keeps all the model states",
+    "zero1": "zero1 divides only the optimizer states: the 16-bit weights and gradients stay whole on every GPU",
+    "zero2": "zero2 divides the gradients and optimizer states: the 16-bit weights stay whole on every GPU",
+    "zero3": "zero3 divides everything, but `most` GPUs are too few",
+}
+
+
 def check_fewest_gpus(fewest_gpus) -> None:
     """Exercise 6.2: `fewest_gpus(model, setup, gpu, most=64)` is the smallest number of GPUs on which
     the planner says one GPU's share fits, or None."""
-    cases = [(int(7e9), Setup(precision="mixed-bf16", shard="zero3"), "a100-40gb"),
-             (int(7e9), Setup(precision="mixed-bf16", shard="zero1"), "a100-40gb"),
-             (int(13e9), Setup(precision="mixed-fp16", shard="zero3"), "t4"),
-             (int(13e9), Setup(precision="mixed-fp16", shard="zero2"), "t4"),
-             (int(7e9), Setup(precision="mixed-bf16", shard="none"), "a100-80gb")]
-    for model, setup, gpu in cases:
-        expected = _fewest(model, setup, gpu, 64)
-        got = fewest_gpus(model, setup, gpu)
-        case = f"{model:,} parameters, {setup.precision}, {setup.shard}, on {gpu}"
+    cases = [(int(7e9), Setup(precision="mixed-bf16", shard="zero3"), "a100-40gb", 64),
+             (int(7e9), Setup(precision="mixed-bf16", shard="zero1"), "a100-40gb", 64),
+             (int(13e9), Setup(precision="mixed-fp16", shard="zero3"), "t4", 64),
+             (int(13e9), Setup(precision="mixed-fp16", shard="zero2"), "t4", 64),
+             (int(7e9), Setup(precision="mixed-bf16", shard="none"), "a100-80gb", 64),
+             (int(1e9), Setup(precision="mixed-bf16", shard="zero3"), "a100-80gb", 64),  # one GPU is enough
+             (int(7e9), Setup(precision="mixed-bf16", shard="zero3"), "a100-40gb", 2)]  # not within `most`
+    for model, setup, gpu, most in cases:
+        expected = _fewest(model, setup, gpu, most)
+        got = fewest_gpus(model, setup, gpu, most=most)
+        case = f"{model:,} parameters, {setup.precision}, {setup.shard}, on {gpu}, at most {most} GPUs"
         if expected is None:
-            assert got is None, (f"{case}: no number of GPUs makes it fit ({setup.shard} does not divide the "
-                                 f"weights and gradients); return None, got {got!r}")
+            assert got is None, (f"{case}: no number of GPUs up to {most} makes it fit ({_NEVER[setup.shard]}); "
+                                 f"return None, got {got!r}")
             continue
         assert got is not None, f"{case}: it fits on {expected} GPUs; got None"
         if got == expected - 1:
             raise AssertionError(f"{case}: on {got} GPUs the planner says it does not fit (the CUDA context "
                                  "counts too): ask plan(..., gpu=gpu).fits for each number of GPUs")
+        if expected == 1 and got > 1:
+            raise AssertionError(f"{case}: it fits on one GPU already; start counting at 1, got {got}")
         assert got == expected, f"{case}: the fewest GPUs on which it fits is {expected}, got {got}"
     print("Correct: the fewest GPUs for each stage; note how much sooner zero3 fits than zero1.")

@@ -104,8 +104,10 @@ class Plan:
                 else f"{value / GiB:10.2f} GiB"
             lines.append(f"  {name:<21} {shown}")
         if self.setup.gpus is not None:
-            states = sum(self.bytes[c] for c in ("weights", "gradients", "optimizer_state", "master_weights"))
-            lines.append(f"  model states per GPU: {states / 1e9:.3f} GB (10^9 bytes, the ZeRO paper's unit)")
+            lines.append(f"  model states per GPU: {self.detail['paper_model_states'] / 1e9:.3f} GB as the ZeRO paper "
+                         "counts them (10^9 bytes)" + (f"; FSDP2's zero2 stand-in shards the weights too: "
+                                                       f"{self.detail['engine_model_states'] / 1e9:.3f} GB"
+                                                       if self.setup.shard == "zero2" and self.activations_known else ""))
         lines.append(self.verdict())
         if self.tricks:
             lines.append("What makes it fit, in order (each on top of the ones before):")
@@ -226,8 +228,11 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
         from course_lib.memory.sharded import sharded_values
 
         trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
+        step_temporaries = detail["optimizer_step_peak"] - detail["batch"] - states.gradients - trace.kept_outputs \
+            if spec is not None else 0
         values, shard_detail, shard_notes = sharded_values(spec, setup, values, trace,
-                                                           [math.prod(s) for s in states.trainable_shapes])
+                                                           [math.prod(s) for s in states.trainable_shapes],
+                                                           step_temporaries)
         detail.update(shard_detail)
         notes += shard_notes
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)

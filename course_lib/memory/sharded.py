@@ -17,16 +17,21 @@ which stage), under `sharding_buffers`:
   gradients (torch/nn/parallel/distributed.py, gradient_as_bucket_view=False by default); zero1 splits
   the optimizer state by whole tensors, sorted-greedy (torch/distributed/optim/zero_redundancy_optimizer.py
   `_partition_parameters`): the plan is the rank with the largest share.
-- zero2, zero3 (FSDP2): each parameter is cut along dim 0 into N padded chunks (`_fsdp_param.py`).
-  The root's parameters (embeddings, final norm, output layer) stay gathered through forward and
-  backward; forward peaks at the output layer and the loss, with the last layer's flat all-gather
-  buffer still held (`_fsdp_collectives.py` foreach_all_gather); in backward zero3 holds the layer
-  running and the next one prefetched, plus the running layer's unsharded gradients until its
-  reduce-scatter; zero2 (reshard_after_forward=False) keeps every layer gathered from its forward
-  to its backward and gathers nothing in backward. `benchmarks/sharding_accuracy.py` measures it.
-  With a model, zero2's `weights` are FSDP2's shards and the gathered copies are `sharding_buffers`.
-  Under mixed precision FSDP2 keeps fp32 shards of weights and gradients (no 16-bit shard); the
-  categories stay the paper's (2 + 2 + 12 bytes per parameter), whose sum, 16/N, is the same.
+- zero2, zero3 (FSDP2; zero2 is a stand-in: FSDP2 with reshard_after_forward=False also shards the
+  weights, which ZeRO-2 keeps whole): each parameter is cut along dim 0 into N padded chunks
+  (`_fsdp_param.py`). The root's parameters (embeddings, final norm, output layer) stay gathered
+  through forward and backward, and their unsharded gradients wait for the root's reduce-scatter in
+  the final backward callback (`_fsdp_state.py` `_root_post_backward_final_callback`). Forward peaks
+  at the output layer and the loss, with the last layer's flat all-gather buffer still held
+  (`_fsdp_collectives.py` foreach_all_gather) and no gradient (each step starts with
+  zero_grad(set_to_none=True)); in backward zero3 holds the layer running and the next one prefetched,
+  plus the running layer's unsharded gradients until its reduce-scatter and the shards reduced so far;
+  zero2 keeps every layer gathered from its forward to its backward and gathers nothing in backward;
+  AdamW's step runs on the shards, its temporaries shrink with them.
+  The plan's categories are what is live in the phase that peaks (`detail["peak_phase"]`), and add up
+  to the total; `detail` keeps each phase's peak and activations. Under mixed precision FSDP2 keeps fp32
+  shards of weights and gradients (no 16-bit shard); the categories stay the paper's (2 + 2 + 12 bytes
+  per parameter), whose sum, 16/N, is the same. `benchmarks/sharding_accuracy.py` measures it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ PARTITIONED = {"none": (), "zero1": ("optimizer_state", "master_weights"),
                "zero2": ("optimizer_state", "master_weights", "gradients"),
                "zero3": ("optimizer_state", "master_weights", "gradients", "weights")}
 _LAYER = re.compile(r"^(.*?\.(?:layers|h)\.\d+)\.")
+_EMBEDDING = re.compile(r"embed|wte|wpe")
 
 
 def validate(setup: Setup) -> None:
@@ -89,14 +95,17 @@ def zero1_shares(numels: list[int], n: int) -> list[int]:
 
 
 def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=None,
-                   trainable: list[int] = ()) -> tuple[dict, dict, list[str]]:
+                   trainable: list[int] = (), step_temporaries: int = 0) -> tuple[dict, dict, list[str]]:
     """One rank's bytes by category for `setup.gpus` GPUs at stage `setup.shard` (lesson 6).
 
     `values`: the single-GPU plan's bytes; `trace`: its meta-device trace (None with --params only);
-    `trainable`: the trained tensors' sizes (ZeroRedundancyOptimizer partitions them)."""
+    `trainable`: the trained tensors' sizes (ZeroRedundancyOptimizer partitions them);
+    `step_temporaries`: what one GPU's optimizer step allocates over the model states."""
     n, stage = setup.gpus, setup.shard
     out = dict(values)
-    detail: dict = {"gpus": n, "shard": stage}
+    paper = sum(math.ceil(values[c] / n) if c in PARTITIONED[stage] else values[c]
+                for c in ("weights", "gradients", "optimizer_state", "master_weights"))
+    detail: dict = {"gpus": n, "shard": stage, "paper_model_states": paper}
     notes = []
     if spec is None:  # the paper's arithmetic: model states only
         for category in PARTITIONED[stage]:
@@ -124,7 +133,7 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
                      "gradients")
         return out, detail, notes
 
-    # FSDP2: shards of everything, plus the gathered layers and the unsharded gradients of one layer
+    # FSDP2: shards of everything, plus the gathered layers and the unsharded gradients before reduce-scatter
     fraction = fsdp_fraction(spec, n)
     for category in ("weights", "gradients", "optimizer_state", "master_weights", "quantization"):
         out[category] = round(values[category] * fraction)
@@ -135,32 +144,67 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     grad_ratio = grads / max(weight_bytes, 1)  # gradient bytes per weight byte (1 for a full fine-tune)
     gathered = root_bytes + (all_layers if stage == "zero2" else 0)  # gathered throughout forward and backward
     prefetched = largest if stage == "zero3" else 0  # zero2 gathers nothing in backward
+    # the root's unsharded gradients wait for its reduce-scatter in the final backward callback
+    # (_fsdp_state.py `_root_post_backward_final_callback`): the output layer's and final norm's from the
+    # head on, the input embeddings' from the tail on
+    root_grads = root_bytes * grad_ratio
+    head_root_grads = sum(info.numel for info in spec.params if not _LAYER.match(info.name)
+                          and (info.is_lm_head or not _EMBEDDING.search(info.name))) * per_param * grad_ratio
+    layer_shards = out["gradients"] * sum(layers) / spec.n_params  # the layers' reduced gradient shards
     states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
     from course_lib.memory.planner import checkpointing_changes, layers_backward_peak
 
     chosen, held = checkpointing_changes(trace, setup)  # lesson 3's plan, as for one GPU
-    # forward peaks at the output layer and the loss: one layer's flat all-gather buffer is still held
-    forward = states + batch + trace.forward_peak_without_grads + held + gathered + largest
-    # backward at the output layer: the last layer prefetched (zero3)
-    head = states + batch + trace.head_backward_peak_without_grads + held + gathered + prefetched
-    # backward in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients
-    layers_peak = states + batch + layers_backward_peak(trace, chosen.plan, with_grads=False) + gathered + 2 * prefetched \
-        + largest * grad_ratio
-    backward = max(head, layers_peak)
-    forward_buffers = gathered + largest
-    backward_buffers = gathered + max(prefetched, 2 * prefetched + largest * grad_ratio)
-    step = states + out["gradients"] + batch + values["optimizer_temporaries"] * fraction
-    peak = max(forward, backward, step)
-    out["sharding_buffers"] = round(max(forward_buffers, backward_buffers))
-    out["activations"] = max(0, round(peak - states - out["gradients"] - out["sharding_buffers"]))
-    out["optimizer_temporaries"] = 0
-    out["total"] = round(peak) + values["overhead"]
-    detail.update(forward_peak=round(forward), backward_peak=round(backward), optimizer_step_peak=round(step))
+    layers_peak = layers_backward_peak(trace, chosen.plan, with_grads=False)
+    share = max(layers) / sum(layers)
+    above = chosen.forward_bytes * (1 - share)  # the other layers' activations, freed by the first layer's backward
+    first_layer = layer_shards * (1 - share) > above
+    # each phase as (activations, gradient shards, engine buffers) over the sharded weights and states;
+    # zero_grad(set_to_none=True) leaves no gradient in forward
+    phases = {
+        # the output layer and the loss, one layer's flat all-gather buffer still held
+        "forward": (batch + trace.forward_peak_without_grads + held + trace.kept_outputs, 0, gathered + largest),
+        # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
+        # just the root's (the output layer's as a temporary until it is accumulated)
+        "head backward": (batch + max(0, trace.head_backward_peak - head_root_grads) + held, 0,
+                          gathered + prefetched + head_root_grads),
+        # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients;
+        # the last layer (first in backward) holds every layer's activations and no reduced gradients,
+        # the first layer the reduced gradient shards of all the others and only its own activations
+        "layers backward": (batch + layers_peak - (above if first_layer else 0), layer_shards * (1 - share) * first_layer,
+                            gathered + 2 * prefetched + largest * grad_ratio + head_root_grads),
+        # the embeddings' backward: every layer reduced, all the root's gradients unsharded (the trace
+        # counts the embeddings' new gradient as a temporary until it is accumulated)
+        "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (root_grads - head_root_grads)),
+                          layer_shards, gathered + root_grads),
+        # AdamW's step on the shards: its temporaries scale with them
+        "optimizer step": (batch + trace.kept_outputs, out["gradients"], 0),
+    }
+    temporaries = round(step_temporaries * fraction)
+    totals = {name: a + g + b + (temporaries if name == "optimizer step" else 0)
+              for name, (a, g, b) in phases.items()}
+    phase = max(totals, key=totals.get)
+    activations, grad_shards, buffers = phases[phase]
+    out["activations"], out["gradients"] = round(activations), round(grad_shards)
+    out["sharding_buffers"] = round(buffers)
+    out["optimizer_temporaries"] = temporaries if phase == "optimizer step" else 0
+    out["total"] = sum(out[c] for c in ("weights", "gradients", "optimizer_state", "master_weights", "quantization",
+                                        "activations", "sharding_buffers", "optimizer_temporaries", "overhead"))
+    forward = states + totals["forward"]
+    backward = states + max(totals[p] for p in ("head backward", "layers backward", "tail backward"))
+    detail.update(engine_model_states=states - out["quantization"] + round(values["gradients"] * fraction),
+                  peak_phase=phase, forward_peak=round(forward), backward_peak=round(backward),
+                  optimizer_step_peak=round(states + totals["optimizer step"]),
+                  gradient_shards=round(values["gradients"] * fraction),
+                  activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
+                  on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every layer stays gathered from its forward to its backward" if stage == "zero2" else \
         "two layers gathered at a time in backward, plus one layer of unsharded gradients"
-    notes.append(f"sharding {stage} (FSDP2): root parameters {format_bytes(root_bytes)} gathered, one layer "
-                 f"{format_bytes(largest)}; {held_layers}")
+    notes.append(f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if stage == 'zero2' else ''}): "
+                 f"root parameters {format_bytes(root_bytes)} gathered and their gradients unsharded until the end "
+                 f"of backward, one layer {format_bytes(largest)}; {held_layers}; the peak: {phase}, whose "
+                 "categories are shown (gradients: the shards live then)")
     return out, detail, notes
 
 
@@ -170,11 +214,13 @@ def offload_prediction(plan) -> dict[str, int]:
     state move to CPU RAM and the optimizer step runs there; before each of a layer's two all-gathers
     its fp32 weight shard is copied to the GPU, and each gradient shard is copied back
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `all_gather_inputs`, _fsdp_collectives.py
-    `foreach_reduce`)."""
+    `foreach_reduce`). With --params only, nothing is known to stay on the GPU."""
     if plan.setup.gpus is None or plan.setup.shard != "zero3":
         raise PlanError("offload_prediction takes a plan with gpus=N and shard='zero3'")
-    b = plan.bytes
-    shards = b["weights"] + b["gradients"] + b["optimizer_state"] + b["master_weights"]
+    b, d = plan.bytes, plan.detail
+    shards = b["weights"] + d.get("gradient_shards", b["gradients"]) + b["optimizer_state"] + b["master_weights"]
     fp32_weights = b["master_weights"] or b["weights"] * 4 // itemsize(plan.setup.weight_dtype)
     fp32_grads = fp32_weights * plan.trainable_params // max(plan.n_params, 1)  # shards in the parameter's dtype
-    return {"gpu": plan.total - shards, "cpu": shards, "pcie_per_step": 2 * fp32_weights + fp32_grads}
+    # on the GPU: the forward and backward peaks less the shards (the step's temporaries are on the CPU)
+    return {"gpu": d.get("on_gpu_under_offload", 0) + b["overhead"], "cpu": shards,
+            "pcie_per_step": 2 * fp32_weights + fp32_grads}

@@ -48,10 +48,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3):
+def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, device: str = "cpu",
+         offload_policy=None):
     """(the model to train, its optimizer) for `stage` (one of ENGINES) in a running process group.
 
-    The optimizer is torch's AdamW (foreach step, its default) in every stage (lesson 6)."""
+    The optimizer is torch's AdamW (foreach step, its default) in every stage (lesson 6). For FSDP2,
+    `device` is the mesh's device type and `offload_policy` (e.g. CPUOffloadPolicy()) is passed on."""
     import torch.distributed as dist
 
     if stage not in ENGINES:
@@ -68,7 +70,9 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    options = dict(mesh=init_device_mesh("cpu", (world_size,)), reshard_after_forward=stage == "zero3")
+    options = dict(mesh=init_device_mesh(device, (world_size,)), reshard_after_forward=stage == "zero3")
+    if offload_policy is not None:
+        options["offload_policy"] = offload_policy
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(model, **options)

@@ -4,14 +4,17 @@
 each joins a gloo group on a free local port, calls `worker(rank, world_size, *args)` and
 hands its (picklable) result back; the results come back in rank order. Processes that do not
 finish within `timeout_s` are killed and a TimeoutError is raised; a rank that fails raises in the
-caller with that rank's error.
+caller with that rank's error. On Windows, which has no fork server, the ranks are spawned (each
+imports torch again). A rank whose port was taken in the meantime is retried on a new port.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +34,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if sys.platform.startswith("linux"):  # the loopback interface's name there (macOS: lo0, found by gloo)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -56,16 +60,33 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
     transformers once (`PRELOAD`), so that each rank and each later call starts in a fraction of a
     second instead of importing them again; the caller's own state (threads, tensors) is never forked.
     """
+    import multiprocessing
     import multiprocessing.forkserver
 
     import torch.multiprocessing as mp
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
+    _check_sendable(worker, args)
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
+    for attempt in range(3):
+        try:
+            return _run_once(worker, world_size, args, timeout_s, what, backend, method)
+        except mp.ProcessRaisedException as error:  # another process took the free port first: retry
+            message = str(error).lower()
+            if ("address already in use" not in message and "eaddrinuse" not in message) or attempt == 2:
+                raise
+
+
+def _run_once(worker: Callable, world_size: int, args: tuple, timeout_s: float, what: str, backend: str,
+              method: str) -> list:
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, timeout_s, worker, args, backend),
-                                     nprocs=world_size, join=False, start_method="forkserver")
+                                     nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=min(0.5, max(deadline - time.monotonic(), 0.001))):
@@ -77,3 +98,21 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
                     process.kill()
                     process.join(5)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _check_sendable(worker: Callable, args: tuple) -> None:
+    """ValueError, one line, for a function the ranks cannot import: defined in a notebook or a
+    console (whose __main__ no new process can import), or not picklable at all (a lambda)."""
+    main = sys.modules.get("__main__")
+    for obj in (worker, *args):
+        func = getattr(obj, "func", obj)  # functools.partial: the function it calls
+        if callable(func) and getattr(func, "__module__", None) == "__main__" \
+                and not os.path.isfile(getattr(main, "__file__", "")):
+            raise ValueError(f"{getattr(func, '__name__', func)!r} is defined in this notebook or console, which "
+                             "the rank processes cannot import: define it in a .py module (or use "
+                             "functools.partial of a library function, e.g. course_lib.checkpointing.tiny_decoder)")
+        try:
+            pickle.dumps(obj)
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise ValueError(f"cannot send {obj!r} to the rank processes ({error}): use a module-level function "
+                             "or functools.partial of one") from None

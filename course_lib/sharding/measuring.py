@@ -164,21 +164,12 @@ def measure_sharding(build, world_size: int, stages=("none", "zero1", "zero2", "
 
 
 def _offload_worker(rank: int, world_size: int, build, batch_size: int, seq: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    from course_lib.sharding.engines import decoder_layers
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = build()
-    options = dict(mesh=init_device_mesh("cuda", (world_size,)), reshard_after_forward=True,
-                   offload_policy=CPUOffloadPolicy())
-    for layer in decoder_layers(model):
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = wrap(build(), "zero3", world_size, device="cuda", offload_policy=CPUOffloadPolicy())
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq), device=device)
     for step in range(2):  # the first creates AdamW's state (in CPU RAM) and FSDP2's buffers
         if step == 1:
