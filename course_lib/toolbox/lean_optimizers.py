@@ -2,7 +2,8 @@
 
 SGD keeps nothing; SGD with momentum one buffer per parameter; torch AdamW two moments and a step
 counter; transformers' Adafactor (the one the Trainer's `optim="adafactor"` builds) a row and a
-column statistic per matrix (its factored second moment) and an fp32 RMS scalar per tensor;
+column statistic per matrix (its factored second moment), a full second moment per vector, and
+an fp32 RMS scalar per tensor (no first moment: beta1=None);
 bitsandbytes' AdamW8bit two uint8 moments with a float32 absmax per 256 values (32-bit state for
 tensors under 4096 values). Each is built, stepped once on random gradients (state is created
 lazily in the first step) and its state counted storage by storage.
