@@ -240,3 +240,51 @@ def test_lean_optimizers_keep_less_than_adamw():
     per_param = {name: bytes_per_parameter(model, name)[1] for name in LEAN_OPTIMIZERS}
     assert per_param["sgd"] == 0
     assert per_param["adafactor"] < 0.02 < per_param["adamw8bit"] < per_param["momentum"] < per_param["adamw"]
+
+
+# The exercise checks of lesson 7 reject wrong answers, each at the property it breaks.
+
+def _hooks(free: bool, free_first: bool = False):
+    def attach(model, make_optimizer):
+        optimizers = {p: make_optimizer([p]) for p in model.parameters()}
+
+        def hook(param):
+            if free_first:  # wrong: the gradient is gone before the step sees it
+                optimizers[param].zero_grad(set_to_none=True)
+            optimizers[param].step()
+            if free:
+                optimizers[param].zero_grad(set_to_none=True)
+        for p in optimizers:
+            p.register_post_accumulate_grad_hook(hook)
+        return optimizers
+    return attach
+
+
+def _chunked(shift: bool = True, by_chunks: bool = False, recompute: bool = True):
+    def loss(hidden, weight, labels, chunk_size):
+        targets = (F.pad(labels, (0, 1), value=-100)[..., 1:] if shift else labels).reshape(-1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+
+        def part(h, y):
+            return F.cross_entropy(F.linear(h, weight).float(), y, ignore_index=-100, reduction="sum")
+        parts = [torch.utils.checkpoint.checkpoint(part, h, y, use_reentrant=False) if recompute else part(h, y)
+                 for h, y in zip(flat.split(chunk_size), targets.split(chunk_size))]
+        return sum(parts) / (len(parts) if by_chunks else (targets != -100).sum())
+    return loss
+
+
+def test_exercise_checks_accept_a_right_answer_and_reject_wrong_ones(capsys):
+    from course_lib import checks
+
+    checks.check_optimizer_in_backward(_hooks(free=True))
+    checks.check_chunked_loss(_chunked())
+    assert capsys.readouterr().out.count("Correct") == 2
+    for wrong, message in ((_hooks(free=False), "still has a gradient"),
+                           (_hooks(free=True, free_first=True), "never updated")):
+        with pytest.raises(AssertionError, match=message):
+            checks.check_optimizer_in_backward(wrong)
+    for wrong, message in ((_chunked(shift=False), "shift the labels"),
+                           (_chunked(by_chunks=True), "number of scored tokens"),
+                           (_chunked(recompute=False), "not below one set")):
+        with pytest.raises(AssertionError, match=message):
+            checks.check_chunked_loss(wrong)
