@@ -157,7 +157,7 @@ def accelerate_estimate(config, precision: str) -> int:
 
 
 def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing: bool, loop: str = "trainer",
-             changes: dict | None = None, name: str | None = None) -> dict:
+             changes: dict | None = None) -> dict:
     setup = Setup(batch=BATCH, seq=seq, checkpointing="every-layer" if checkpointing else "none",
                   attention=ATTENTION.get(model_type, "sdpa"), loop=loop, **fields)
     config, model, optimizer = build_case(model_type, setup, checkpointing, changes)
@@ -194,7 +194,7 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
         "master_weights": (predicted.bytes["master_weights"], storage_bytes(master)),
     }
     accel = accelerate_estimate(config, setup.precision)
-    return {"arch": name or model_type, "seq": seq, "recipe": label, "loop": loop,
+    return {"arch": model_type, "seq": seq, "recipe": label, "loop": loop,
             "ckpt": "every layer" if checkpointing else "none",
             "measured": peak, "predicted": predicted.total, "accelerate": accel,
             "states_exact": all(a == b for a, b in exact.values()),
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
     for name, model_type, changes, seq, (label, fields), checkpointing, loop in cases:
-        row = run_case(model_type, seq, label, fields, checkpointing, loop, changes, name)
+        row = dict(run_case(model_type, seq, label, fields, checkpointing, loop, changes), arch=name)
         rows.append(row)
         ours = (row["predicted"] - row["measured"]) / row["measured"]
         theirs = (row["accelerate"] - row["measured"]) / row["measured"]

@@ -35,7 +35,7 @@ def pick_device(prefer: str | None = None) -> torch.device:
 def synchronize() -> None:
     """Wait for the work queued on the GPU, so that a clock read after it is fair (lessons 4 and 5);
     nothing to wait for on a CPU."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available():  # also when only bitsandbytes has touched the GPU (lesson 4's probe)
         torch.cuda.synchronize()
 
 

@@ -100,9 +100,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def storage_key(self, tensor: torch.Tensor, storage: torch.UntypedStorage):
         """What identifies the storage, or None for one not counted (meta tensors hold no memory)."""
-        if tensor.device.type == "meta":
-            return None
-        return str(tensor.device), storage.data_ptr()
+        return None if tensor.device.type == "meta" else _storage_key(tensor)
 
     def _freed(self, key, nbytes: int) -> None:
         if self.live.get(key) == nbytes:
@@ -295,7 +293,7 @@ def peak_bytes(step: Callable[[], None], live: Iterable[torch.Tensor], device: t
     outside PyTorch's allocator), which occupy the GPU while the optimizer runs.
     """
     if device.type == "cuda":
-        paged = sum(t.numel() * t.element_size() for t in live if getattr(t, "is_paged", False))
+        paged = storage_bytes(t for t in live if getattr(t, "is_paged", False))
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()

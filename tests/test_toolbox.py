@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from course_lib import memory
-from course_lib.measure import peak_bytes, storage_bytes
+from course_lib.measure import optimizer_state_tensors, peak_bytes, storage_bytes
 from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, accumulation_breaks,
                                 bytes_per_parameter, chunked_causal_lm_loss, chunked_cross_entropy, clipping_breaks,
                                 state_tensors, stepped_optimizer, transfer_seconds)
@@ -86,7 +86,7 @@ def test_optimizer_in_backward_lowers_the_measured_peak():
                         [*plain.parameters(), *state, x], CPU)
     optimizer.zero_grad(set_to_none=True)
     fused_peak = peak_bytes(lambda: square_loss(fused, x).backward(),
-                            [*fused.parameters(), *in_backward.state_tensors(), x], CPU)
+                            [*fused.parameters(), *optimizer_state_tensors(in_backward), x], CPU)
     gradients = storage_bytes(plain.parameters())  # all gradients, fp32 like the weights
     largest = max(p.numel() * 4 for p in plain.parameters())
     assert normal - fused_peak >= gradients - 2 * largest

@@ -7,10 +7,10 @@ from dataclasses import replace
 from course_lib import memory
 from course_lib.checks.hints import refuse_reference
 from course_lib.memory import Setup, plan
+from course_lib.memory.sharded import SHARDS
 
 __all__ = ["check_model_states_per_gpu", "check_fewest_gpus"]
 
-_STAGES = ("none", "zero1", "zero2", "zero3")
 
 
 def _states(p) -> int:
@@ -22,7 +22,7 @@ def check_model_states_per_gpu(model_states_per_gpu) -> None:
     mixed-precision AdamW, as the planner (and the ZeRO paper) counts them."""
     for n_params in (7_500_000_000, 1_000_003):
         for gpus in (1, 8, 64, 3):
-            for stage in _STAGES:
+            for stage in SHARDS:
                 expected = _states(plan(n_params, precision="mixed-bf16", optimizer="adamw", gpus=gpus, shard=stage))
                 with refuse_reference(memory, instead="add up the bytes each GPU keeps yourself"):
                     got = model_states_per_gpu(n_params, gpus, stage)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from course_lib import toolbox
 from course_lib.checks.hints import refusing
-from course_lib.measure import MiB, peak_bytes
+from course_lib.measure import MiB, optimizer_state_tensors, peak_bytes
 
 __all__ = ["check_optimizer_in_backward", "check_chunked_loss"]
 
@@ -63,8 +63,8 @@ def check_optimizer_in_backward(attach_optimizer_hooks) -> None:
                 ("Each hook must step only its own parameter's optimizer, once per backward."
                  if moved else "It was never updated: register the hook on every trainable parameter "
                  "(param.register_post_accumulate_grad_hook) and call that parameter's optimizer.step() in it."))
-    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    plain_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    state = [t for opt in optimizers for t in optimizer_state_tensors(opt)]
+    plain_state = optimizer_state_tensors(optimizer)
     x = torch.randn(8, 256)
     optimizer.zero_grad(set_to_none=True)
     normal = peak_bytes(lambda: (plain(x).pow(2).mean().backward(), optimizer.step()),

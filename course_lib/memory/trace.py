@@ -38,10 +38,6 @@ class _MetaTracer(LiveStorageTracker):
         self.position_peaks: dict[tuple[str, int | str], tuple[int, int]] = {}
         self.known: set[int] = set()
 
-    @property
-    def peaks(self) -> dict[str, int]:
-        return self.phase_peaks
-
     def exclude(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage (a parameter, the batch), nor views of it."""
         self.known.add(tensor.untyped_storage()._cdata)
@@ -335,7 +331,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     if setup.quant != "none":  # bitsandbytes dequantizes one frozen weight at a time, forward and backward
         dequant = max(p.numel for p in spec.params if p.module == "linear" and not p.is_lm_head) \
             * itemsize(setup.weight_dtype)
-    peaks, rest = tracer.peaks, tracer.peaks_without_grads
+    peaks, rest = tracer.phase_peaks, tracer.peaks_without_grads
     climbs, climbs_with_grads, layer_grads, head_grads = _backward_climbs(tracer, saved, inputs, output["bytes"],
                                                                           grads_at)
     return Trace(

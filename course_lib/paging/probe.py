@@ -117,8 +117,6 @@ def eviction_order(capacity_chunks: int = 64, extra_chunks: int = 16) -> dict:
     A one-byte host read of each chunk then takes microseconds when the chunk is still on the GPU (it
     faults back) and far less when it was evicted to the host. Allocation order evicts chunks 0, 1, ...;
     LRU evicts 1, 2, ... and keeps 0."""
-    import torch
-
     from course_lib.offload import VirtualGPU
 
     n = capacity_chunks + extra_chunks
@@ -129,7 +127,7 @@ def eviction_order(capacity_chunks: int = 64, extra_chunks: int = 16) -> dict:
             gpu_touch(buffer, i * CHUNK, CHUNK)
             if i == capacity_chunks // 2:
                 gpu_touch(buffer, 0, CHUNK)
-        torch.cuda.synchronize()
+        synchronize()
         array = buffer.numpy()
         times = []
         for i in range(n):

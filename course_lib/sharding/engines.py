@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from course_lib.checkpointing.apply import find_layer_stack
+
 ENGINES = {
     "none": "DDP",
     "zero1": "DDP + ZeroRedundancyOptimizer",
@@ -35,17 +37,6 @@ ENGINES = {
     "zero3": "FSDP2, reshard_after_forward=True",
 }
 STAGES = tuple(ENGINES)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a Hugging Face causal LM (Llama-like `model.layers`, GPT-2 `transformer.h`)."""
-    for path in ("model.layers", "transformer.h"):
-        module = model
-        for name in path.split("."):
-            module = getattr(module, name, None)
-        if isinstance(module, nn.ModuleList):
-            return module
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, device: str = "cpu",
@@ -73,7 +64,7 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, dev
     options = dict(mesh=init_device_mesh(device, (world_size,)), reshard_after_forward=stage == "zero3")
     if offload_policy is not None:
         options["offload_policy"] = offload_policy
-    for layer in decoder_layers(model):
+    for layer in find_layer_stack(model):  # the decoder layers, found as lesson 3 finds them
         fully_shard(layer, **options)
     fully_shard(model, **options)
     return model, torch.optim.AdamW(model.parameters(), lr=lr)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from course_lib.measure import PHASES, PlainTextTable, format_bytes, optimizer_state_tensors, storage_bytes
-from course_lib.sharding.engines import ENGINES, wrap
+from course_lib.sharding.engines import ENGINES, STAGES, wrap
 from course_lib.sharding.launch import run_ranks
 from course_lib.sharding.tracking import CommCounter, RankTracker
 
@@ -141,7 +141,7 @@ def _worker(rank: int, world_size: int, build, runs, batch_size: int, seq: int, 
             for stage, skip in runs]
 
 
-def measure_sharding(build, world_size: int, stages=("none", "zero1", "zero2", "zero3"), *, batch: int = 2,
+def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
                      seq: int = 64, seed: int = 0, micro_batches: int = 1, skip_sync=(False,),
                      timeout_s: float = 300.0) -> list[RankStep]:
     """Every rank's memory and traffic for one step of each stage, in one start of the processes (lesson 6).

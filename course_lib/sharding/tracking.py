@@ -65,7 +65,7 @@ class RankTracker(LiveStorageTracker):
     def _free(self, original):
         def free_storage(tensor: torch.Tensor) -> None:
             storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
+            key = self.storage_key(tensor, storage)
             if storage.nbytes() and key in self.live:
                 self._record(-self.live.pop(key))
             original(tensor)

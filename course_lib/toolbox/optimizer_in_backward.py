@@ -50,11 +50,6 @@ class OptimizerInBackward:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: each gradient was freed in backward."""
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor of every per-parameter optimizer's state."""
-        return [v for opt in self.optimizers.values() for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor)]
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
