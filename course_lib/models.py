@@ -9,6 +9,7 @@ grouped-query attention are counted as the Hugging Face implementation builds th
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import re
@@ -84,35 +85,42 @@ def load_config(name_or_path: str | Path):
     from transformers import AutoConfig
 
     text = str(name_or_path)
-    key = _normalise(text)
-    path = Path(text).expanduser()
-    if key in bundled_models():
-        data = _read_json(CONFIG_DIR / f"{key}.json")
-    elif not path.exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not text.endswith(".json"):
+    path = _config_file(text)
+    if path is None:
         return _hub_config(text)
-    elif path.exists() or text.endswith(".json") or "/" in text or "\\" in text:
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ModelNotFound(f"no config file at {path}")
-        data = _read_json(path)
-    else:
-        close = difflib.get_close_matches(key, bundled_models(), n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise ModelNotFound(f"unknown model {text!r}: {hint}use a bundled name "
-                            f"({', '.join(bundled_models())}), a config.json path, or --params N")
+    data = _read_json(path)
     model_type = data.get("model_type")
     if not isinstance(model_type, str):
-        raise ModelNotFound(f"{path if path.suffix == '.json' else text}: config has no \"model_type\" string, "
-                            "so the architecture is unknown")
+        raise ModelNotFound(f"{path}: config has no \"model_type\" string, so the architecture is unknown")
     fields = {k: v for k, v in data.items() if k != "model_type"}
-    _check_sizes_given(text if key in bundled_models() else str(path), model_type, fields)
+    _check_sizes_given(text if path.parent == CONFIG_DIR else str(path), model_type, fields)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return AutoConfig.for_model(model_type, **fields)
     except Exception as error:  # ValueError, or huggingface_hub's StrictDataclassError naming the field
         raise ModelNotFound(f"cannot build a {model_type!r} config: {' '.join(str(error).split())[:300]}") from None
+
+
+def _config_file(text: str) -> Path | None:
+    """The config.json a bundled name or a path names, None for a Hub id (transformers fetches it);
+    ModelNotFound for an unknown name or a path with no config file."""
+    key = _normalise(text)
+    path = Path(text).expanduser()
+    if key in bundled_models():
+        return CONFIG_DIR / f"{key}.json"
+    if not path.exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not text.endswith(".json"):
+        return None
+    if path.exists() or text.endswith(".json") or "/" in text or "\\" in text:
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelNotFound(f"no config file at {path}")
+        return path
+    close = difflib.get_close_matches(key, bundled_models(), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise ModelNotFound(f"unknown model {text!r}: {hint}use a bundled name "
+                        f"({', '.join(bundled_models())}), a config.json path, or --params N")
 
 
 SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -211,6 +219,7 @@ def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype 
 
     from transformers.utils import logging as hf_logging
 
+    config = transformers_config(config)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # e.g. Gemma-2's generation flags under use_cache=False: not the user's concern
@@ -237,12 +246,72 @@ def supported_attention(config, requested: str | None) -> str | None:
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
         try:
-            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(transformers_config(config))]
         except KeyError:
             return True
         return bool(getattr(model_class, "_supports_sdpa", True))
 
-    return requested if cached_answer("sdpa", type(config).__name__, supports_sdpa) else "eager"
+    return requested if cached_answer("sdpa", config_class_name(config), supports_sdpa) else "eager"
+
+
+class SavedConfig:
+    """A transformers config as an earlier run read it: its class name, its JSON, and the fields the
+    config answers with plain JSON values, kept on disk so that a second `course-lib plan` of a model
+    never imports transformers, which alone takes longer than the rest of the run (lesson 1, "the
+    planner"). Those fields read as on the config; anything else, and any change, needs the config
+    itself: `transformers_config()` builds it from its source."""
+
+    def __init__(self, source: str, record: dict, config=None):
+        object.__setattr__(self, "_source", source)
+        object.__setattr__(self, "_record", record)
+        object.__setattr__(self, "_config", config)
+
+    @staticmethod
+    def record_of(config) -> dict:
+        """What is kept of a transformers config (plain JSON)."""
+        fields = {}
+        for name in config.to_dict():
+            value = getattr(config, name, None)
+            try:
+                plain = not name.startswith("_") and json.loads(json.dumps(value)) == value
+            except TypeError:  # a dtype or a nested config
+                plain = False
+            if plain:  # not a tuple either
+                fields[name] = value
+        return {"class": type(config).__name__, "json": config.to_json_string(use_diff=False), "fields": fields,
+                "aliases": dict(getattr(type(config), "attribute_map", {}) or {})}
+
+    @property
+    def class_name(self) -> str:
+        return self._record["class"]
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # copy and pickle look for hooks before the instance is filled
+            raise AttributeError(name)
+        key = self._record["aliases"].get(name, name)
+        if key in self._record["fields"]:
+            return copy.deepcopy(self._record["fields"][key])
+        return getattr(transformers_config(self), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"a SavedConfig is read-only: change a copy of transformers_config(config), not {name!r}")
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        return transformers_config(self).to_json_string(use_diff) if use_diff else self._record["json"]
+
+
+def transformers_config(config):
+    """The transformers config itself of a config or a SavedConfig (built once from its source)."""
+    if not isinstance(config, SavedConfig):
+        return config
+    if config._config is None:
+        object.__setattr__(config, "_config", load_config(config._source))
+    return config._config
+
+
+def config_class_name(config) -> str:
+    """The transformers class of a config or a SavedConfig, e.g. 'LlamaConfig'."""
+    return config.class_name if isinstance(config, SavedConfig) else type(config).__name__
 
 
 @dataclass(frozen=True)
@@ -312,12 +381,28 @@ def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec
     return ModelSpec(name, config if config is not None else getattr(model, "config", None), tuple(infos))
 
 
-@lru_cache(maxsize=64)
-def _cached_spec(key: str) -> ModelSpec:
-    from course_lib.memory.cache import cached_params
-
+def _checked_config(key: str):
     config = load_config(key)
     _check_causal_lm(config, key)
+    return config
+
+
+@lru_cache(maxsize=64)
+def _cached_spec(key: str) -> ModelSpec:
+    from course_lib.memory.cache import cached_answer, cached_params
+
+    path = _config_file(key)
+    if path is None:  # a Hub id: transformers reads it (and keeps it in its own cache)
+        config = _checked_config(key)
+    else:  # kept on disk with the file's text: a changed file is read again
+        loaded = {}
+
+        def record() -> dict:
+            loaded["config"] = _checked_config(key)
+            return SavedConfig.record_of(loaded["config"])
+
+        config = SavedConfig(key, cached_answer("config", f"{key}\n{json.dumps(_read_json(path), sort_keys=True)}",
+                                                record), loaded.get("config"))
     name = key if key in bundled_models() else Path(key).parent.name if key.endswith("config.json") else Path(key).stem
 
     def build() -> tuple[ParamInfo, ...]:

@@ -1,13 +1,15 @@
-"""Traces and parameter lists kept on disk between runs of `course-lib plan` (lesson 1, "the planner").
+"""Configs, traces and parameter lists kept on disk between runs of `course-lib plan` (lesson 1, "the
+planner").
 
 A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
-and the tracer's own code; a parameter list only on the config and the libraries. All of them are
-in the key (`trace._trace_key` or the config's JSON, the torch, transformers and peft versions, a
-digest of the planner's sources), so a changed library or planner never reads an old entry. A
-second `course-lib plan` of a setup it planned before (each trick of "what makes it fit" is one)
-neither builds the model, nor imports peft or the model's transformers module, nor traces (whether
-the model's class supports SDPA is kept too). `COURSE_LIB_CACHE_DIR` moves the cache
-(default `~/.cache/course-lib/traces`); set it empty to switch it off.
+and the tracer's own code; a parameter list only on the config and the libraries; a config
+(models.SavedConfig) on the file it was read from. All of them are in the key (`trace._trace_key`,
+the config's JSON or the file's contents, the torch, transformers and peft versions, a digest of the
+planner's sources), so a changed file, library or planner never reads an old entry. A second
+`course-lib plan` of a setup it planned before (each trick of "what makes it fit" is one) imports
+neither transformers nor peft, builds no model and traces nothing (whether the model's class supports
+SDPA is kept too). `COURSE_LIB_CACHE_DIR` moves the cache (default `~/.cache/course-lib/traces`);
+set it empty to switch it off.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from course_lib.models import ModelSpec
+from course_lib.models import ModelSpec, transformers_config
 
 MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
 # the trace's per-layer tuples (periodic) and the quantities that do not depend on the depth
@@ -39,7 +39,7 @@ def layer_period(config) -> int | None:
 def shallow_spec(spec: ModelSpec, n_layers: int) -> ModelSpec:
     """The same model with its first `n_layers` decoder layers (same parameter list: the trace uses
     it only for the frozen weights' shapes)."""
-    config = copy.deepcopy(spec.config)
+    config = copy.deepcopy(transformers_config(spec.config))
     config.num_hidden_layers = n_layers  # GPT-2's config maps it to n_layer
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types)[:n_layers]

@@ -16,7 +16,7 @@ from course_lib.memory.states import ModelStates, model_states, optimizer_step_e
 from course_lib.memory.toolbox import toolbox_notes
 from course_lib.memory.trace import trace_step
 from course_lib.paging.policies import PCIE3_X16
-from course_lib.models import model_spec, ModelNotFound, ModelSpec, supported_attention
+from course_lib.models import config_class_name, model_spec, ModelNotFound, ModelSpec, supported_attention
 
 
 def korthikanti_bytes(batch: int, seq: int, hidden: int, heads: int, layers: int) -> int:
@@ -191,7 +191,7 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
                          f"made (the output layer) at every call: {format_bytes(detail['autocast_copies'])} of 16-bit "
                          "copies live from its forward to its backward")
         if supported_attention(spec.config, setup.attention) != setup.attention:
-            notes.append(f"attention: eager, because transformers' {type(spec.config).__name__.replace('Config', '')} "
+            notes.append(f"attention: eager, because transformers' {config_class_name(spec.config).replace('Config', '')} "
                          f"does not support {setup.attention} (eager stores the s x s attention scores)")
         if setup.checkpointing != "none":
             notes.append(f"checkpointing {setup.checkpointing}: recomputes {detail['recompute_fraction']:.0%} "

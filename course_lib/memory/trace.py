@@ -15,7 +15,7 @@ from course_lib.measure import LiveStorageTracker
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
 from course_lib.toolbox.activation_offload import HostOffload
-from course_lib.models import build_model, ModelSpec, supported_attention
+from course_lib.models import build_model, ModelSpec, supported_attention, transformers_config
 
 
 class _MetaTracer(LiveStorageTracker):
@@ -201,7 +201,7 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
 
 def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
 
-    config = copy.deepcopy(spec.config)
+    config = copy.deepcopy(transformers_config(spec.config))
     config.use_cache = False
     dtype = setup.weight_dtype
     model = build_model(config, "meta", dtype=dtype, attn_implementation=supported_attention(config, setup.attention))
