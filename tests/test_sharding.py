@@ -2,6 +2,7 @@
 and the paper (one spawn measures all four stages)."""
 
 import functools
+import socket
 
 import pytest
 from hypothesis import given
@@ -112,6 +113,30 @@ def _slow(rank, world_size):
 def test_ranks_that_overrun_are_killed():
     with pytest.raises(TimeoutError, match="did not finish"):
         run_ranks(_slow, 1, timeout_s=1)
+
+
+def _rank_and_size(rank, world_size):
+    return rank, world_size
+
+
+def test_a_port_taken_before_the_ranks_start_is_retried_on_a_new_one(monkeypatch):
+    from course_lib.sharding import launch
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real, handed = launch.free_port, []
+
+    def next_port():  # the taken port first, then free ones
+        handed.append(real() if handed else taken.getsockname()[1])
+        return handed[-1]
+
+    monkeypatch.setattr(launch, "free_port", next_port)
+    try:
+        assert run_ranks(_rank_and_size, 2, timeout_s=60) == [(0, 2), (1, 2)]
+    finally:
+        taken.close()
+    assert len(handed) == 2  # the taken port failed, and the ranks started again on a free one
 
 
 def test_offload_moves_the_shards_and_nothing_else():
