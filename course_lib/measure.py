@@ -34,7 +34,8 @@ def format_bytes(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """The (device, address) of the storage behind a tensor: what tells storages apart (lesson 0)."""
     storage = tensor.untyped_storage()
     return (str(tensor.device), storage.data_ptr())
 
@@ -50,7 +51,7 @@ def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], in
             continue
         nbytes = tensor.untyped_storage().nbytes()
         if nbytes:
-            found[_storage_key(tensor)] = nbytes
+            found[storage_key(tensor)] = nbytes
     return found
 
 
@@ -100,7 +101,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def storage_key(self, tensor: torch.Tensor, storage: torch.UntypedStorage):
         """What identifies the storage, or None for one not counted (meta tensors hold no memory)."""
-        return None if tensor.device.type == "meta" else _storage_key(tensor)
+        return None if tensor.device.type == "meta" else storage_key(tensor)
 
     def _freed(self, key, nbytes: int) -> None:
         if self.live.get(key) == nbytes:

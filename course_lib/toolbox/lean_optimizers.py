@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.measure import optimizer_state_tensors, storage_bytes
+from course_lib.measure import optimizer_state_tensors, storage_bytes, storage_key
 
 
 def _adafactor(params):
@@ -55,15 +55,14 @@ class StateTensor:
 
 def state_tensors(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) -> list[StateTensor]:
     """Every tensor of `optimizer.state`, named by its parameter, each storage counted once (lesson 7)."""
-    seen: set[int] = set()
+    seen: set[tuple[str, int]] = set()
     rows = []
     for param, state in optimizer.state.items():
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 continue
-            storage = value.untyped_storage()
-            nbytes = 0 if storage.data_ptr() in seen else storage.nbytes()
-            seen.add(storage.data_ptr())
+            nbytes = 0 if storage_key(value) in seen else value.untyped_storage().nbytes()
+            seen.add(storage_key(value))
             rows.append(StateTensor(names.get(param, "?"), key, tuple(value.shape),
                                     str(value.dtype).replace("torch.", ""), nbytes))
     return rows
