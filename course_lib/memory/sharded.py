@@ -111,11 +111,9 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
         for category in PARTITIONED[stage]:
             out[category] = math.ceil(values[category] / n)
         out["sharding_buffers"] = 0
-        out["total"] = sum(out[c] for c in ("weights", "gradients", "optimizer_state", "master_weights",
-                                            "quantization", "overhead"))
         notes.append("sharding: model states only (the ZeRO paper's arithmetic); name a model for the buffers "
                      "the engines add and for activations")
-        return out, detail, notes
+        return _with_total(out), detail, notes
 
     grads, weight_bytes = values["gradients"], values["weights"] + values["quantization"]
     if stage in ("none", "zero1"):
@@ -127,11 +125,9 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
             detail["zero1_rank_shares"] = [s / sum(shares) for s in shares]
             for category in ("optimizer_state", "master_weights"):
                 out[category] = round(values[category] * share)
-        saved = sum(values[c] - out[c] for c in ("optimizer_state", "master_weights"))
-        out["total"] = values["total"] + buckets - saved
         notes.append(f"sharding {stage}: DDP's gradient buckets ({format_bytes(buckets)}) are a second copy of the "
                      "gradients")
-        return out, detail, notes
+        return _with_total(out), detail, notes
 
     # FSDP2: shards of everything, plus the gathered layers and the unsharded gradients before reduce-scatter
     fraction = fsdp_fraction(spec, n)
@@ -189,8 +185,6 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     out["activations"], out["gradients"] = round(activations), round(grad_shards)
     out["sharding_buffers"] = round(buffers)
     out["optimizer_temporaries"] = temporaries if phase == "optimizer step" else 0
-    out["total"] = sum(out[c] for c in ("weights", "gradients", "optimizer_state", "master_weights", "quantization",
-                                        "activations", "sharding_buffers", "optimizer_temporaries", "overhead"))
     forward = states + totals["forward"]
     backward = states + max(totals[p] for p in ("head backward", "layers backward", "tail backward"))
     detail.update(engine_model_states=states - out["quantization"] + round(values["gradients"] * fraction),
@@ -205,7 +199,12 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
                  f"root parameters {format_bytes(root_bytes)} gathered and their gradients unsharded until the end "
                  f"of backward, one layer {format_bytes(largest)}; {held_layers}; the peak: {phase}, whose "
                  "categories are shown (gradients: the shards live then)")
-    return out, detail, notes
+    return _with_total(out), detail, notes
+
+
+def _with_total(out: dict) -> dict:
+    """The bytes by category with their total, the sum of the others."""
+    return {**out, "total": sum(v for k, v in out.items() if k != "total")}
 
 
 def offload_prediction(plan) -> dict[str, int]:
