@@ -72,12 +72,11 @@ class RankTracker(LiveStorageTracker):
         return free_storage
 
 
-# per-rank bytes sent for a collective over a B-byte tensor, as a multiple of (N-1)/N x B
-_RING_FACTOR = {"all_reduce": 2, "all_gather_single": 1, "all_gather_into_tensor": 1, "all_gather": 1,
-                "reduce_scatter_single": 1, "reduce_scatter_tensor": 1, "reduce_scatter": 1, "broadcast": 1}
-# which argument holds the full-size tensor (B): the output of a gather, the input of a scatter
-_FULL_ARG = {"all_reduce": 0, "all_gather_single": 0, "all_gather_into_tensor": 0, "all_gather": 0,
-             "reduce_scatter_single": 1, "reduce_scatter_tensor": 1, "reduce_scatter": 1, "broadcast": 0}
+# collective: (per-rank bytes sent as a multiple of (N-1)/N x B for a B-byte tensor, which argument
+# holds that full-size tensor: the output of a gather, the input of a scatter)
+_COLLECTIVES = {"all_reduce": (2, 0), "all_gather_single": (1, 0), "all_gather_into_tensor": (1, 0),
+                "all_gather": (1, 0), "reduce_scatter_single": (1, 1), "reduce_scatter_tensor": (1, 1),
+                "reduce_scatter": (1, 1), "broadcast": (1, 0)}
 
 
 @dataclass
@@ -94,19 +93,20 @@ class CommCounter:
 
     def _count(self, name: str, signature: inspect.Signature, args, kwargs) -> None:
         bound = signature.bind(*args, **kwargs).arguments
-        full = list(bound.values())[_FULL_ARG[name]]
+        ring_factor, full_arg = _COLLECTIVES[name]
+        full = list(bound.values())[full_arg]
         tensors = full if isinstance(full, (list, tuple)) else [full]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         n = self.world_size
         self.calls[name] += 1
-        self.sent[name] += _RING_FACTOR[name] * nbytes * (n - 1) // n
+        self.sent[name] += ring_factor * nbytes * (n - 1) // n
 
     @contextlib.contextmanager
     def counting(self):
         """Count every collective issued through `torch.distributed` inside the block."""
         import torch.distributed as dist
 
-        saved = {name: getattr(dist, name) for name in _RING_FACTOR if hasattr(dist, name)}
+        saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
         def wrap(name, original):
             signature = inspect.signature(original)
