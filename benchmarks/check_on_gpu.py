@@ -36,6 +36,12 @@ PARTS = [
     ("paging-sweep", 40, [PY, "benchmarks/gpu_paging.py", "--part", "sweep", "--json"]),
     ("paging-spike", 35, [PY, "benchmarks/gpu_paging.py", "--part", "spike", "--json"]),
 ]
+# run only with the time the parts above leave of the budget: lessons 7 and 6 top to bottom with their
+# %%gpu_only cells (activation offload; FSDP2's CPU offload), which have never run on a GPU
+IF_TIME_LEFT = [
+    ("lesson-7-on-cuda", 100, [PY, "benchmarks/gpu_lessons.py", "notebooks/07_the_rest_of_the_toolbox.ipynb", "--json"]),
+    ("lesson-6-on-cuda", 150, [PY, "benchmarks/gpu_lessons.py", "notebooks/06_sharding.ipynb", "--json"]),
+]
 
 
 def environment() -> dict:
@@ -82,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu check on {report['device']} ({report.get('reason') or report.get('nvidia_smi', '')})", flush=True)
     start = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    for name, budget, command in PARTS:
-        entry = {"budget_s": budget}
+    for name, budget, command in PARTS + IF_TIME_LEFT:
+        entry = {"budget_s": budget, "if_time_left": any(name == n for n, _, _ in IF_TIME_LEFT)}
         report["parts"][name] = entry
         if report["device"] == "cpu":
             entry.update(status="skipped", reason="needs CUDA")
