@@ -191,6 +191,26 @@ def test_activations_grow_with_batch_and_sequence_and_eager_pays_the_square():
     assert llama_eager > llama + 32 * 1024 * 1024 * 2  # heads x s x s bf16 scores at least
 
 
+def test_a_dropout_keeps_a_one_byte_mask_on_cuda_and_noise_of_the_inputs_dtype_on_the_cpu():
+    """What backward keeps of a training dropout: on the CPU (and on meta) a noise tensor of the input's
+    dtype, on CUDA the 1-byte mask of its fused kernel (aten/src/ATen/native/Dropout.cpp: `dropout`
+    runs `native_dropout` on CUDA)."""
+    from transformers import AutoConfig
+
+    from course_lib.memory.trace import _trace
+
+    def saved(p: float, target: str) -> int:
+        config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64,
+                                      resid_pdrop=p, embd_pdrop=p, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        trace = _trace(spec_from_model(build_model(config), "tiny-gpt2", config), Setup(precision="fp32", batch=2,
+                                                                                        seq=32), target)
+        return sum(trace.saved) + trace.saved_outside
+
+    elements = (2 * 2 + 1) * 2 * 32 * 64  # two residual dropouts a layer and one after the embeddings
+    assert saved(0.1, "cpu") - saved(0.0, "cpu") == 4 * elements
+    assert saved(0.1, "cuda") - saved(0.0, "cuda") == elements
+
+
 def test_accumulation_keeps_gradients_alive_during_the_forward():
     one = plan("gpt2", precision="fp32", batch=2, seq=256)
     four = plan("gpt2", precision="fp32", batch=2, seq=256, accum=4)

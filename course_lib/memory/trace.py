@@ -66,14 +66,23 @@ class _MetaTracer(LiveStorageTracker):
 
 
 @contextmanager
-def _sdpa_as_on(target: str):
-    """Make `F.scaled_dot_product_attention` on meta tensors allocate what the real kernel would.
+def _kernels_as_on(target: str):
+    """Make attention and dropout on meta tensors allocate what the real kernels would.
 
-    On meta it would take the math path (an s x s score matrix). On the CPU, torch picks its own
-    kernel (asked here with small CPU tensors of the same kind); on CUDA the fused kernels (flash,
-    memory-efficient) keep the output and a float32 log-sum-exp, like the CPU flash kernel used here.
+    `F.scaled_dot_product_attention` on meta would take the math path (an s x s score matrix). On the
+    CPU, torch picks its own kernel (asked here with small CPU tensors of the same kind); on CUDA the
+    fused kernels (flash, memory-efficient) keep the output and a float32 log-sum-exp, like the CPU
+    flash kernel used here. A training `F.dropout` on meta, as on the CPU, multiplies by a noise tensor
+    of the input's dtype, which backward keeps; on CUDA it is one fused kernel, `native_dropout`, that
+    keeps a 1-byte mask (aten/src/ATen/native/Dropout.cpp, `dropout`): asked for here.
     """
     original = torch.nn.functional.scaled_dot_product_attention
+    original_dropout = torch.nn.functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if target == "cuda" and input.device.type == "meta" and training and 0.0 < p < 1.0 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return original_dropout(input, p, training, inplace)
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.device.type != "meta":
@@ -92,12 +101,14 @@ def _sdpa_as_on(target: str):
 
     find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
     torch.nn.functional.scaled_dot_product_attention = sdpa
+    torch.nn.functional.dropout = dropout
     if find_packed is not None:
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
+        torch.nn.functional.dropout = original_dropout
         if find_packed is not None:
             masking_utils.find_packed_sequence_indices = find_packed
 
@@ -300,7 +311,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     for tensor in [ids, *model.parameters(), *model.buffers()]:
         tracer.exclude(tensor)
     try:
-        with warnings.catch_warnings(), _sdpa_as_on(target):
+        with warnings.catch_warnings(), _kernels_as_on(target):
             warnings.simplefilter("ignore")
             unpack = (lambda t: t) if offload is None else offload.unpack_hook
             with tracer, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
