@@ -73,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
-                               lora_rank=args.lora_rank, quant=args.quant, batch=args.batch, seq=args.seq,
+                               lora_rank=args.lora_rank, lora_dropout=args.lora_dropout, quant=args.quant, batch=args.batch, seq=args.seq,
                                checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
                                loop=args.loop, gpu=args.gpu, gpus=args.gpus, shard=args.shard,
                                optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw8bit",
                       "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
     plan.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R")
+    plan.add_argument("--lora-dropout", type=float, metavar="P",
+                      help="peft's lora_dropout (default 0.0, peft's; the QLoRA paper used 0.05 and 0.1)")
     plan.add_argument("--quant", default="none", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA)")
     # no argparse defaults for what --params cannot use: the planner tells given options from defaults
     plan.add_argument("--batch", type=int, help="micro-batch size (default 1)")

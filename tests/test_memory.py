@@ -160,6 +160,32 @@ def test_peak_matches_a_measured_step_within_2_percent(checkpointing, precision)
     assert abs(predicted.total - measured.peak) <= 0.02 * measured.peak
 
 
+def test_peft_lora_dropout_is_planned_within_2_percent_of_the_measured_step():
+    """lora_dropout > 0 makes peft keep a dropped copy of each adapter's input and its noise (lesson 1)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = _tiny_llama()
+    ids = torch.randint(0, 2048, (2, 96))
+    peaks = {}
+    for dropout in (0.0, 0.1):
+        torch.manual_seed(0)
+        model = get_peft_model(build_model(config, "cpu"), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                                       lora_dropout=dropout))
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+        def loss_fn():
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        measure_step(model, optimizer, loss_fn, [ids])
+        measured = measure_step(model, optimizer, loss_fn, [ids]).peak
+        setup = Setup(precision="fp32", optimizer="adamw", lora_rank=8, lora_dropout=dropout, batch=2, seq=96)
+        predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup).total
+        assert abs(predicted - measured) <= 0.02 * measured, (dropout, predicted, measured)
+        peaks[dropout] = measured
+    assert peaks[0.1] > peaks[0.0]
+
+
 def test_checkpointing_goes_through_lesson_3s_cost_model(monkeypatch):
     from course_lib import checkpointing
 

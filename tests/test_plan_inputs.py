@@ -42,6 +42,8 @@ def test_a_sequence_beyond_the_positions_is_a_clear_warning(capsys, argv, messag
     (["gpt2", "--lora-rank", "100000000"], "lora rank 100000000 is above the rank of every layer"),
     (["--params", "7e9", "--checkpointing", "every-layer"], "--checkpointing cannot change a plan from --params"),
     (["--params", "7e9", "--batch", "4", "--seq", "2048"], "--batch, --seq cannot change"),
+    (["--params", "7e9", "--lora-rank", "8", "--lora-dropout", "0.1"], "--lora-dropout cannot change"),
+    (["gpt2", "--lora-rank", "8", "--lora-dropout", "1"], "lora dropout must be a probability"),
 ])
 def test_impossible_setups_are_one_line(capsys, argv, message):
     assert message in refused(capsys, *argv)
@@ -122,6 +124,7 @@ def test_the_python_api_picks_the_gpus_precision_like_the_cli():
 
 @pytest.mark.parametrize("options, message", [
     (dict(lora_targets=("q_proj",)), "without a LoRA rank"),
+    (dict(lora_dropout=0.05), "without a LoRA rank"),
     (dict(optimizer="sgd", adam_state="fp32"), "adam_state applies to"),
     (dict(optimizer="adamw8bit", adam_state="fp32"), "adam_state applies to"),
 ])

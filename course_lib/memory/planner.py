@@ -92,6 +92,7 @@ class Plan:
         lines = [f"{head} ({self.trainable_params:,} trained), "
                  f"{self.setup.precision}, {self.setup.optimizer}"
                  + (f", LoRA r={self.setup.lora_rank}" if self.setup.lora_rank else "")
+                 + (f" dropout {self.setup.lora_dropout:g}" if self.setup.lora_dropout else "")
                  + (f", {self.setup.quant}" if self.setup.quant != "none" else "")
                  + f", batch {self.setup.batch} x seq {self.setup.seq}"
                  + (f" x accum {self.setup.accum}" if self.setup.accum > 1 else "")
@@ -238,7 +239,8 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
 
 
-SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop", "chunked_loss", "offload_activations")
+SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop", "chunked_loss", "offload_activations",
+                 "lora_dropout")
 
 
 def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[str]:

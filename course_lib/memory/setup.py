@@ -33,6 +33,8 @@ class Setup:
     "mixed-bf16"/"mixed-fp16" (16-bit weights and gradients, fp32 master weights and optimizer state).
     adam_state: None (torch's rule: state in the dtype of the parameter it updates) or "fp32".
     lora_rank > 0 trains LoRA adapters (fp32, peft's default) on `lora_targets` and freezes the base;
+    lora_dropout: peft's dropout on each adapter's input (0.0, peft's default; the QLoRA paper used
+    0.05 and 0.1): a dropped copy of that input and, for backward, its mask (a byte a value on a GPU).
     quant "nf4"/"nf4-dq" stores the frozen linear layers in 4 bits (QLoRA; needs lora_rank > 0).
     prepare_kbit: peft's prepare_model_for_kbit_training, which upcasts every non-quantized
     parameter to fp32.
@@ -51,6 +53,7 @@ class Setup:
     adam_state: str | None = None
     lora_rank: int = 0
     lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_dropout: float = 0.0
     quant: str = "none"
     prepare_kbit: bool = False
     batch: int = 1
@@ -85,6 +88,11 @@ class Setup:
                             "(QLoRA); a 4-bit base cannot be fine-tuned directly")
         if self.lora_rank == 0 and self.lora_targets != "all-linear":
             raise PlanError(f"lora_targets {self.lora_targets!r} without a LoRA rank: give lora_rank R > 0")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
+                or not 0 <= self.lora_dropout < 1:
+            raise PlanError(f"lora dropout must be a probability from 0 up to (not including) 1, got {self.lora_dropout!r}")
+        if self.lora_rank == 0 and self.lora_dropout:
+            raise PlanError(f"lora dropout {self.lora_dropout} without a LoRA rank: give lora_rank R > 0")
         if self.adam_state is not None and self.optimizer not in ("adamw", "momentum", "adafactor"):
             raise PlanError(f"adam_state applies to torch's adamw, momentum and adafactor, not {self.optimizer!r} "
                             "(sgd keeps no state; bitsandbytes' optimizers choose their own)")

@@ -184,7 +184,8 @@ class Trace:
 
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
-    return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets), setup.quant != "none",
+    return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets),
+            float(setup.lora_dropout), setup.quant != "none",
             setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop,
             setup.chunked_loss, setup.offload_activations,
             (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None)
@@ -229,7 +230,7 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
         with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
             warnings.simplefilter("ignore")
             model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
-                                                     target_modules=targets, lora_dropout=0.0,
+                                                     target_modules=targets, lora_dropout=setup.lora_dropout,
                                                      init_lora_weights=False))  # values: none on meta
     return model
 
