@@ -388,7 +388,7 @@ def _checked_config(key: str):
 
 
 @lru_cache(maxsize=64)
-def _cached_spec(key: str) -> ModelSpec:
+def _cached_spec(key: str, stamp: tuple | None) -> ModelSpec:  # stamp: the file's (mtime, size), read again when edited
     from course_lib.memory.cache import cached_answer, cached_params
 
     path = _config_file(key)
@@ -424,7 +424,16 @@ def model_spec(name_or_path: str | Path) -> ModelSpec:
     if key not in bundled_models():
         path = Path(text).expanduser()
         key = str(path.resolve()) if path.exists() else text
-    return _cached_spec(key)
+    return _cached_spec(key, _file_stamp(key))
+
+
+def _file_stamp(key: str) -> tuple | None:
+    try:
+        path = _config_file(key)
+        status = path.stat() if path is not None else None
+    except (ModelNotFound, OSError):  # said by _cached_spec
+        return None
+    return None if status is None else (status.st_mtime_ns, status.st_size)
 
 
 def count_parameters(name_or_path: str | Path) -> int:
