@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from course_lib import cli, models
+from course_lib import cli, model_config
 from course_lib.memory import PlanError, plan
 from course_lib.models import CONFIG_DIR, PUBLISHED_PARAMETERS
 
@@ -101,7 +101,7 @@ def test_a_hub_id_is_loaded_from_the_hub(capsys, tmp_path, monkeypatch):
         asked.append((name, kwargs))
         return real(cls, str(tmp_path))
 
-    monkeypatch.setattr(models, "_hub_reachable", lambda endpoint: True)
+    monkeypatch.setattr(model_config, "_hub_reachable", lambda endpoint: True)
     monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(from_hub))
     code, out, err = run(capsys, "someone/their-gpt2", "--seq", "64", "--json")
     assert code == 0, err
@@ -110,7 +110,7 @@ def test_a_hub_id_is_loaded_from_the_hub(capsys, tmp_path, monkeypatch):
 
 
 def test_offline_a_hub_id_says_how_to_pass_a_saved_config(capsys, monkeypatch):
-    monkeypatch.setattr(models, "_hub_reachable", lambda endpoint: False)
+    monkeypatch.setattr(model_config, "_hub_reachable", lambda endpoint: False)
     err = refused(capsys, "meta-llama/Llama-3.1-70B")
     assert "cannot be reached" in err and "save its config.json" in err
     assert "https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json" in err

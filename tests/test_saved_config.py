@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from course_lib import cli, models
-from course_lib.models import SavedConfig, bundled_models, load_config, transformers_config
+from course_lib.model_config import SavedConfig, bundled_models, config_class_name, load_config, transformers_config
 
 READ_BY_THE_PLANNER = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                        "max_position_embeddings", "tie_word_embeddings", "layer_types", "n_embd", "n_head",
@@ -26,7 +26,7 @@ def test_a_saved_config_reads_as_the_config_without_transformers(name):
     for field in names:
         assert getattr(saved, field) == getattr(config, field), field
     assert saved.to_json_string(use_diff=False) == config.to_json_string(use_diff=False)
-    assert models.config_class_name(saved) == type(config).__name__
+    assert config_class_name(saved) == type(config).__name__
     assert saved._config is None  # none of it needed the config itself
 
 

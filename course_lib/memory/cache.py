@@ -37,7 +37,8 @@ def cache_dir() -> Path | None:
 def _fingerprint() -> str:
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for source in [*sorted(here.glob("*.py")), here.parent / "models.py"]:  # the planner's code and the models'
+    # the planner's code, the models' and the configs'
+    for source in [*sorted(here.glob("*.py")), here.parent / "models.py", here.parent / "model_config.py"]:
         digest.update(source.read_bytes())
     for package in ("torch", "transformers", "peft"):
         try:
