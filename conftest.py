@@ -1,6 +1,9 @@
 """The whole suite (tests, and the notebooks nbval runs in kernels that inherit this environment)
 plans with a trace cache of its own, fresh for each run and removed after it: no test reads what an
-earlier run, or the user's own `course-lib plan`, left in ~/.cache/course-lib."""
+earlier run, or the user's own `course-lib plan`, left in ~/.cache/course-lib. Under pytest-xdist
+(`make test`) each worker has its own cache, and it and everything it starts (kernels, graders, rank
+processes) run torch on one thread: the workers share the cores, and on a core another process
+holds, the OpenMP threads of two made the lessons' tiny models several times slower."""
 
 import atexit
 import os
@@ -9,3 +12,5 @@ import tempfile
 
 os.environ["COURSE_LIB_CACHE_DIR"] = tempfile.mkdtemp(prefix="course-lib-cache-")
 atexit.register(shutil.rmtree, os.environ["COURSE_LIB_CACHE_DIR"], ignore_errors=True)
+if "PYTEST_XDIST_WORKER" in os.environ:  # read by torch's OpenMP when it loads: no test module has yet
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
