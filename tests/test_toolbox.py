@@ -244,14 +244,15 @@ def test_lean_optimizers_keep_less_than_adamw():
 
 # The exercise checks of lesson 7 reject wrong answers, each at the property it breaks.
 
-def _hooks(free: bool, free_first: bool = False):
+def _hooks(free: bool, free_first: bool = False, steps: int = 1):
     def attach(model, make_optimizer):
         optimizers = {p: make_optimizer([p]) for p in model.parameters()}
 
         def hook(param):
             if free_first:  # wrong: the gradient is gone before the step sees it
                 optimizers[param].zero_grad(set_to_none=True)
-            optimizers[param].step()
+            for _ in range(steps):  # wrong when 2: the parameter moves twice a backward
+                optimizers[param].step()
             if free:
                 optimizers[param].zero_grad(set_to_none=True)
         for p in optimizers:
@@ -280,7 +281,8 @@ def test_exercise_checks_accept_a_right_answer_and_reject_wrong_ones(capsys):
     checks.check_chunked_loss(_chunked())
     assert capsys.readouterr().out.count("Correct") == 2
     for wrong, message in ((_hooks(free=False), "still has a gradient"),
-                           (_hooks(free=True, free_first=True), "never updated")):
+                           (_hooks(free=True, free_first=True), "never updated"),
+                           (_hooks(free=True, steps=2), "once per backward")):
         with pytest.raises(AssertionError, match=message):
             checks.check_optimizer_in_backward(wrong)
     for wrong, message in ((_chunked(shift=False), "shift the labels"),
