@@ -56,6 +56,9 @@ def test_the_planner_uses_the_fast_path_for_a_deep_model(monkeypatch):
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
     memory.plan("llama-2-70b", seq=32)
     assert depths == [3, 4]  # never the 80 layers
+    depths.clear()
+    memory.plan("gemma-2-2b", seq=32, attention="eager")
+    assert depths == [3, 4]  # its sliding and global layers keep the same bytes: not the 6 and 8 of period 2
 
 
 def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):

@@ -82,12 +82,25 @@ def _periodic(a: tuple, b: tuple, period: int, n_layers: int) -> tuple | None:
 
 def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
     """The trace of `spec` composed from `trace` (`trace._trace`) of two shallow copies, or None when
-    the model is shallow or its layers do not visibly repeat (then trace it in full)."""
+    the model is shallow or its layers do not visibly repeat (then trace it in full).
+
+    Layers of two types (Gemma-2's sliding and global attention) that keep the same bytes repeat with
+    period 1: the 3- and 4-layer copies, half as many layers as the types' period asks, are tried
+    first; the 4-layer copy's two middle layers, one of each type, show whether they differ."""
+    n, period = spec.n_layers, layer_period(spec.config)
+    if n is None or period is None or _per_layer_lists(spec.config, n):
+        return None
+    for candidate in sorted({1, period}):
+        if n % candidate == 0 and n >= MIN_PERIODS * candidate:
+            composed = _composed(spec, setup, target, trace, n, candidate)
+            if composed is not None:
+                return composed
+    return None
+
+
+def _composed(spec: ModelSpec, setup, target: str, trace: Callable, n: int, period: int):
     from course_lib.memory.trace import Trace
 
-    n, period = spec.n_layers, layer_period(spec.config)
-    if n is None or period is None or n % period or n < MIN_PERIODS * period or _per_layer_lists(spec.config, n):
-        return None
     small, large = 3 * period, 4 * period
     a, b = trace(shallow_spec(spec, small), setup, target), trace(shallow_spec(spec, large), setup, target)
     per_layer = {name: _periodic(getattr(a, name), getattr(b, name), period, n) for name in PER_LAYER}
