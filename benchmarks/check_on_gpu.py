@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         # a session of its own, so that a part that runs out of time ends with its children (the
         # processes that hold paged state), not only itself
         child = subprocess.Popen([*command, str(figures)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, start_new_session=True)
+                                 text=True, start_new_session=True,
+                                 env={**os.environ, "GPU_CHECK_PART_SECONDS": f"{limit:.0f}"})  # a part may stop itself
         try:
             output, _ = child.communicate(timeout=limit)
             entry["status"] = "ok" if child.returncode == 0 else f"failed (exit {child.returncode})"

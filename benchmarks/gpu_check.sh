@@ -2,7 +2,7 @@
 # The GPU check: lessons 4 and 5's CUDA paths, then lessons 7 and 6 run top to bottom with their
 # %%gpu_only cells, on a real GPU in one run of at most 8 minutes: a 30-second smoke step first, the
 # most valuable parts next, each with its own time budget (benchmarks/check_on_gpu.py lists them; a
-# part that finds too little time left is skipped and says so). Results: benchmarks/results/gpu_check.json, rewritten after
+# part gets at most the time left, and one with under 10 s left is skipped and says so). Results: benchmarks/results/gpu_check.json, rewritten after
 # every part (and $OUT/gpu_check.json when the device tool's $OUT is set), so a run cut short still
 # brings back what it measured; the log goes to $OUT/gpu_check.log too.
 #

@@ -191,10 +191,10 @@ class SavedConfig:
     config answers with plain JSON values, kept on disk so that a second `course-lib plan` of a model
     never imports transformers, which alone takes longer than the rest of the run (lesson 1, "the
     planner"). Those fields read as on the config; anything else, and any change, needs the config
-    itself: `transformers_config()` builds it from its source."""
+    itself: `transformers_config()` builds it from the kept JSON (not from the file, which may have
+    changed since)."""
 
-    def __init__(self, source: str, record: dict, config=None):
-        object.__setattr__(self, "_source", source)
+    def __init__(self, record: dict, config=None):
         object.__setattr__(self, "_record", record)
         object.__setattr__(self, "_config", config)
 
@@ -217,9 +217,12 @@ class SavedConfig:
     def class_name(self) -> str:
         return self._record["class"]
 
+    def __repr__(self) -> str:
+        return f"SavedConfig of a {self.class_name} {self._record['json']}"
+
     def __getattr__(self, name: str):
-        if name.startswith("_"):  # copy and pickle look for hooks before the instance is filled
-            raise AttributeError(name)
+        if name.startswith("__") or "_record" not in self.__dict__:  # copy and pickle look for hooks,
+            raise AttributeError(name)                                 # before the instance is filled
         key = self._record["aliases"].get(name, name)
         if key in self._record["fields"]:
             return copy.deepcopy(self._record["fields"][key])
@@ -233,11 +236,16 @@ class SavedConfig:
 
 
 def transformers_config(config):
-    """The transformers config itself of a config or a SavedConfig (built once from its source)."""
+    """The transformers config itself of a config or a SavedConfig (built once from its kept JSON)."""
     if not isinstance(config, SavedConfig):
         return config
     if config._config is None:
-        object.__setattr__(config, "_config", load_config(config._source))
+        from transformers import CONFIG_MAPPING
+
+        data = json.loads(config._record["json"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            object.__setattr__(config, "_config", CONFIG_MAPPING[data["model_type"]].from_dict(data))
     return config._config
 
 
@@ -283,7 +291,7 @@ def read_config(key: str):
         loaded["config"] = _checked_config(key)
         return SavedConfig.record_of(loaded["config"])
 
-    return SavedConfig(key, cached_answer("config", f"{key}\n{json.dumps(_read_json(path), sort_keys=True)}", record),
+    return SavedConfig(cached_answer("config", f"{key}\n{json.dumps(_read_json(path), sort_keys=True)}", record),
                        loaded.get("config"))
 
 

@@ -19,7 +19,7 @@ READ_BY_THE_PLANNER = ("hidden_size", "num_hidden_layers", "num_attention_heads"
 @pytest.mark.parametrize("name", bundled_models())
 def test_a_saved_config_reads_as_the_config_without_transformers(name):
     config = load_config(name)
-    saved = SavedConfig(name, json.loads(json.dumps(SavedConfig.record_of(config))))  # as read from disk
+    saved = SavedConfig(json.loads(json.dumps(SavedConfig.record_of(config))))  # as read from disk
     names = [n for n in {*READ_BY_THE_PLANNER, *config.to_dict(), *type(config).attribute_map}
              if not n.startswith("_") and hasattr(config, n) and saved._record["aliases"].get(n, n) in saved._record["fields"]]
     assert {"hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"} <= set(names)
@@ -31,7 +31,7 @@ def test_a_saved_config_reads_as_the_config_without_transformers(name):
 
 
 def test_a_saved_config_is_read_only_and_builds_the_config_for_the_rest():
-    saved = SavedConfig("gpt2", SavedConfig.record_of(load_config("gpt2")))
+    saved = SavedConfig(SavedConfig.record_of(load_config("gpt2")))
     with pytest.raises(AttributeError, match="read-only"):
         saved.num_hidden_layers = 2
     assert saved.use_return_dict is True  # a property, not a field: answered by the config itself
@@ -45,13 +45,14 @@ def test_an_edited_config_json_is_read_again(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "config.json"
     data = json.loads((models.CONFIG_DIR / "gpt2.json").read_text())
-    counts = []
+    counts, specs = [], []
     for layers in (2, 3):  # in one process and on disk
         path.write_text(json.dumps({**data, "n_layer": layers}))
         os.utime(path, ns=(layers * 10**9, layers * 10**9))  # edited: another time stamp
-        spec = models.model_spec(path)
-        counts.append(spec.n_params)
-        assert spec.n_layers == layers
+        specs.append(models.model_spec(path))
+        counts.append(specs[-1].n_params)
+        assert specs[-1].n_layers == layers
+    assert transformers_config(specs[0].config).n_layer == 2  # the config it was read as, not the edited file
     per_layer = counts[1] - counts[0]
     assert per_layer == 12 * 768 * 768 + 13 * 768  # one GPT-2 block: attention, MLP, two norms
 

@@ -40,6 +40,26 @@ def test_gemma_2_alternates_two_layer_types_and_shallow_models_are_traced_in_ful
     assert composed_trace(shallow_spec(spec, 5), memory.Setup(seq=16), "cpu", memory_trace._trace) is None
 
 
+def test_five_sliding_layers_to_one_global_are_composed_with_their_period():
+    """Gemma-3's global layer keeps other bytes than its sliding ones, and the 3- and 4-layer copies
+    would hold none: its period, 6, is composed from 18 and 24 layers."""
+    from transformers import AutoConfig
+
+    from course_lib.models import build_model, spec_from_model
+
+    config = AutoConfig.for_model("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=36,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                                  sliding_window=8)
+    spec, setup, depths = spec_from_model(build_model(config), "tiny-gemma-3", config), memory.Setup(seq=32), []
+
+    def counted(spec, setup, target):
+        depths.append(spec.n_layers)
+        return memory_trace._trace(spec, setup, target)
+
+    assert composed_trace(spec, setup, "cuda", counted) == memory_trace._trace(spec, setup, "cuda")
+    assert layer_period(config) == 6 and depths == [18, 24]
+
+
 def test_layers_that_do_not_repeat_are_traced_in_full():
     spec = shallow_spec(model_spec("llama-3.2-1b"), 6)
     spec.config.layer_types = ["full_attention"] * 5 + ["sliding_attention"]

@@ -3,12 +3,12 @@ planner").
 
 A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
 and the tracer's own code; a parameter list only on the config and the libraries; a config
-(models.SavedConfig) on the file it was read from. All of them are in the key (`trace._trace_key`,
-the config's JSON or the file's contents, the torch, transformers and peft versions, a digest of the
-planner's sources), so a changed file, library or planner never reads an old entry. A second
-`course-lib plan` of a setup it planned before (each trick of "what makes it fit" is one) imports
-neither transformers nor peft, builds no model and traces nothing (whether the model's class supports
-SDPA is kept too). `COURSE_LIB_CACHE_DIR` moves the cache (default `~/.cache/course-lib/traces`);
+(model_config.SavedConfig) on the file it was read from. All of them are in the key
+(`trace._trace_key`, the config's JSON or the file's contents, the torch, transformers and peft
+versions, a digest of course_lib's sources), so a changed file, library or course_lib never reads an
+old entry. A second `course-lib plan` of a bundled model or a config.json in a setup it planned
+before (each trick of "what makes it fit" is one) imports neither transformers nor peft, builds no
+model and traces nothing (whether the model's class supports SDPA is kept too). `COURSE_LIB_CACHE_DIR` moves the cache (default `~/.cache/course-lib/traces`);
 set it empty to switch it off.
 """
 
@@ -35,10 +35,9 @@ def cache_dir() -> Path | None:
 
 @lru_cache(maxsize=1)
 def _fingerprint() -> str:
-    here = Path(__file__).parent
+    package = Path(__file__).parents[1]
     digest = hashlib.sha256()
-    # the planner's code, the models' and the configs'
-    for source in [*sorted(here.glob("*.py")), here.parent / "models.py", here.parent / "model_config.py"]:
+    for source in sorted(package.rglob("*.py")):  # course_lib's code: the trace runs the tracker, the toolbox, ...
         digest.update(source.read_bytes())
     for package in ("torch", "transformers", "peft"):
         try:

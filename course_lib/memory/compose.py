@@ -84,13 +84,17 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
     """The trace of `spec` composed from `trace` (`trace._trace`) of two shallow copies, or None when
     the model is shallow or its layers do not visibly repeat (then trace it in full).
 
-    Layers of two types (Gemma-2's sliding and global attention) that keep the same bytes repeat with
-    period 1: the 3- and 4-layer copies, half as many layers as the types' period asks, are tried
-    first; the 4-layer copy's two middle layers, one of each type, show whether they differ."""
+    Layers of two alternating types (Gemma-2's sliding and global attention) that keep the same bytes
+    repeat with period 1: the 3- and 4-layer copies, half as many layers as period 2 asks, are tried
+    first; the 4-layer copy's two middle layers, one of each type, show whether they differ. Where
+    those two layers do not hold every type (Gemma-3's five sliding to one global), the types'
+    period is used."""
     n, period = spec.n_layers, layer_period(spec.config)
     if n is None or period is None or _per_layer_lists(spec.config, n):
         return None
-    for candidate in sorted({1, period}):
+    types = list(getattr(spec.config, "layer_types", None) or [])
+    first_try = 1 if set(types[1:3]) == set(types) else period
+    for candidate in sorted({first_try, period}):
         if n % candidate == 0 and n >= MIN_PERIODS * candidate:
             composed = _composed(spec, setup, target, trace, n, candidate)
             if composed is not None:
