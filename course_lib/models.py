@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from course_lib.model_config import (CONFIG_DIR, HUB_IDS, ModelNotFound, SavedConfig, bundled_models,  # noqa: F401
+from course_lib.model_config import (CONFIG_DIR, HUB_IDS, ModelNotFound, bundled_models,  # noqa: F401
                                      config_class_name, config_key, config_stamp, load_config, read_config,
                                      transformers_config)
 

@@ -82,6 +82,14 @@ def test_what_makes_it_fit_offers_sharding_with_more_than_one_gpu():
     assert not any("shard" in t.name for t in single.tricks)
 
 
+def test_what_makes_it_fit_offers_no_trick_the_planner_refuses_with_gpus():
+    sharded = plan("llama-3.2-3b", precision="fp16", batch=1, seq=16384, gpus=2, shard="zero3", gpu="t4")
+    assert sharded.tricks and not any(name in t.name for t in sharded.tricks
+                                      for name in ("chunked loss", "in backward", "offloading", "QLoRA"))
+    with pytest.raises(PlanError, match="chunked_loss with --gpus 2"):
+        plan("llama-3.2-3b", precision="fp16", batch=1, seq=16384, gpus=2, shard="zero3", chunked_loss=1024)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "0"], "gpus must be a positive integer"),
     (["--gpus", "2", "--shard", "zero4"], "unknown shard stage 'zero4'"),

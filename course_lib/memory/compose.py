@@ -23,6 +23,7 @@ MIN_PERIODS = 6  # shallower models are traced in full: composing would not be f
 # the trace's per-layer tuples (periodic) and the quantities that do not depend on the depth
 PER_LAYER = ("saved", "inputs", "backward_climbs", "backward_climbs_with_grads", "layer_grads")
 CONSTANT = ("output", "saved_outside", "dequant_transient", "kept_outputs", "head_grads")
+LINEAR = ("gradients", "offloaded")  # totals that grow by the same step with every period
 
 
 def layer_period(config) -> int | None:
@@ -131,6 +132,5 @@ def _composed(spec: ModelSpec, setup, target: str, trace: Callable, n: int, peri
         head_backward_peak_without_grads=peak("head_backward", True),
         layer_backward_peak_without_grads=peak("layer_backward", True),
         tail_backward_peak_without_grads=peak("tail_backward", True),
-        gradients=a.gradients + (b.gradients - a.gradients) * steps, **per_layer,
-        offloaded=a.offloaded + (b.offloaded - a.offloaded) * steps,
+        **per_layer, **{name: getattr(a, name) + (getattr(b, name) - getattr(a, name)) * steps for name in LINEAR},
         **{name: getattr(a, name) for name in CONSTANT})

@@ -16,7 +16,7 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
     tricks = []
     if setup.checkpointing == "none":
         tricks.append(("activation checkpointing (every layer)", replace(setup, checkpointing="every-layer")))
-    if setup.batch > 1 and not setup.optimizer_in_backward:
+    if setup.batch > 1:
         tricks.append((f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
                        replace(setup, batch=1, accum=setup.batch * setup.accum)))
     if setup.gpus is not None and setup.gpus > 1 and setup.shard != "zero3":  # exact; costs communication (lesson 6)
@@ -54,8 +54,8 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
         for name, nxt in _candidate_tricks(state, card):
             if nxt.quant != "none" and nxt.precision.startswith("mixed"):
                 nxt = replace(nxt, precision=nxt.precision.replace("mixed-", ""))
-            try:
-                after = _plan(model, nxt, card)
+            try:  # a combination the planner refuses (Setup.validate) is no trick
+                after = _plan(model, nxt.validate(), card)
             except PlanError:
                 continue
             if current.total - after.total > current.total // 200:  # saves something worth saying (> 0.5%)

@@ -15,7 +15,6 @@ from course_lib.memory.setup import CATEGORIES, PlanError, Setup, itemsize
 from course_lib.memory.states import ModelStates, model_states, optimizer_step_extra, target_match
 from course_lib.memory.toolbox import toolbox_notes
 from course_lib.memory.trace import trace_step
-from course_lib.paging.policies import PCIE3_X16
 from course_lib.models import config_class_name, model_spec, ModelNotFound, ModelSpec, supported_attention
 
 
@@ -112,8 +111,9 @@ class Plan:
         lines.append(self.verdict())
         if self.tricks:
             lines.append("What makes it fit, in order (each on top of the ones before):")
+            width = max(len(trick.name) for trick in self.tricks)
             for trick in self.tricks:
-                lines.append(f"  {trick.name:<48} saves {trick.saves / GiB:7.2f} GiB -> "
+                lines.append(f"  {trick.name:<{width}} saves {trick.saves / GiB:7.2f} GiB -> "
                              f"{trick.total_after / GiB:7.2f} GiB{'  fits' if trick.fits_after else ''}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -179,12 +179,13 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     notes: list[str] = warned
     detail: dict[str, int | float | str] = {}
     temporaries = 0
+    trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
     if spec is None:
         extra = 0
         notes.append("activations unknown: only a parameter count was given (name a model or a config.json "
                      "for activations and the optimizer step's temporaries)")
     else:
-        extra, detail = _step_extra(spec, setup, states, "cuda" if cuda else "cpu")
+        extra, detail = _step_extra(spec, setup, states, trace, "cuda" if cuda else "cpu")
         temporaries = detail.pop("optimizer_temporaries_over_activations")
         extra -= temporaries
         if detail["autocast_copies"]:
@@ -219,7 +220,7 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
                      "(lesson 4), at a cost in time")
     if spec is not None:
-        more_notes, more_detail = toolbox_notes(setup, trace_step(spec, setup, "cuda" if cuda else "cpu"), PCIE3_X16)
+        more_notes, more_detail = toolbox_notes(setup, trace)
         notes += more_notes
         detail.update(more_detail)
     if setup.accum > 1:
@@ -228,12 +229,9 @@ def _plan(model, setup: Setup, card: GPU | None) -> Plan:
     if setup.gpus is not None:
         from course_lib.memory.sharded import sharded_values
 
-        trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
-        step_temporaries = detail["optimizer_step_peak"] - detail["batch"] - states.gradients - trace.kept_outputs \
-            if spec is not None else 0
         values, shard_detail, shard_notes = sharded_values(spec, setup, values, trace,
                                                            [math.prod(s) for s in states.trainable_shapes],
-                                                           step_temporaries)
+                                                           detail.get("optimizer_step_temporaries", 0))
         detail.update(shard_detail)
         notes += shard_notes
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
@@ -276,10 +274,9 @@ def checkpointing_changes(trace, setup: Setup):
     return chosen, chosen.forward_bytes - none.forward_bytes
 
 
-def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str) -> tuple[int, dict]:
-    """The most a step adds on top of all model states (activations, temporaries), and details."""
-
-    trace = trace_step(spec, setup, target)
+def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, trace, target: str) -> tuple[int, dict]:
+    """The most a step adds on top of all model states (activations, temporaries), and details;
+    `trace`: the setup's trace_step."""
     n = len(trace.saved)
     chosen, held_change = checkpointing_changes(trace, setup)
     segments = chosen.plan
@@ -298,11 +295,11 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
     dequant = trace.dequant_transient
     copies = _autocast_copies(spec, setup)
     forward += trace.kept_outputs  # the previous step's outputs, until `outputs` is bound again
-    step = grads + optimizer_step_extra(setup.optimizer, states.trainable_shapes, states.state_itemsize,
-                                         states.grad_itemsize, target == "cuda", setup.precision.startswith("mixed"))
-    if setup.optimizer_in_backward:  # lesson 7: no step after backward; the trace ran each update inside it
-        step = 0
-    step += trace.kept_outputs
+    # lesson 7's step in backward: no step after backward; the trace ran each update inside it
+    step_temporaries = 0 if setup.optimizer_in_backward else optimizer_step_extra(
+        setup.optimizer, states.trainable_shapes, states.state_itemsize, states.grad_itemsize, target == "cuda",
+        setup.precision.startswith("mixed"))
+    step = (0 if setup.optimizer_in_backward else grads + step_temporaries) + trace.kept_outputs
     batch = 2 * setup.batch * setup.seq * 8  # the int64 input ids and labels, live for the whole step
     activation_peak = max(forward + dequant + copies, head + dequant + copies, layers + dequant, tail) + batch
     peak = max(activation_peak, step + batch)
@@ -317,6 +314,7 @@ def _step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, target: str)
         "forward_peak": forward + dequant + copies + batch,
         "backward_peak": max(head + dequant + copies, layers + dequant, tail) + batch,
         "optimizer_step_peak": step + batch,
+        "optimizer_step_temporaries": step_temporaries,
         "optimizer_temporaries_over_activations": max(0, step + batch - max(activation_peak, grads)),
         "autocast_copies": copies,
         "korthikanti_formula": korthikanti_bytes(setup.batch, setup.seq, hidden, heads, n) if hidden else 0,

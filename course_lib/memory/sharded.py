@@ -49,7 +49,6 @@ PARTITIONED = {"none": (), "zero1": ("optimizer_state", "master_weights"),
                "zero2": ("optimizer_state", "master_weights", "gradients"),
                "zero3": ("optimizer_state", "master_weights", "gradients", "weights")}
 _LAYER = re.compile(r"^(.*?\.(?:layers|h)\.\d+)\.")
-_EMBEDDING = re.compile(r"embed|wte|wpe")
 
 
 def validate(setup: Setup) -> None:
@@ -133,6 +132,7 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     fraction = fsdp_fraction(spec, n)
     for category in ("weights", "gradients", "optimizer_state", "master_weights", "quantization"):
         out[category] = round(values[category] * fraction)
+    gradient_shards = out["gradients"]
     layers, root = layer_and_root_numels(spec)
     per_param = weight_bytes / spec.n_params  # the dtype the layers compute in
     largest, root_bytes = max(layers) * per_param, root * per_param
@@ -145,8 +145,8 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     # head on, the input embeddings' from the tail on
     root_grads = root_bytes * grad_ratio
     head_root_grads = sum(info.numel for info in spec.params if not _LAYER.match(info.name)
-                          and (info.is_lm_head or not _EMBEDDING.search(info.name))) * per_param * grad_ratio
-    layer_shards = out["gradients"] * sum(layers) / spec.n_params  # the layers' reduced gradient shards
+                          and (info.is_lm_head or info.module != "embedding")) * per_param * grad_ratio
+    layer_shards = gradient_shards * sum(layers) / spec.n_params  # the layers' reduced gradient shards
     states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
     from course_lib.memory.planner import checkpointing_changes, layers_backward_peak
@@ -175,7 +175,7 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
         "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (root_grads - head_root_grads)),
                           layer_shards, gathered + root_grads),
         # AdamW's step on the shards: its temporaries scale with them
-        "optimizer step": (batch + trace.kept_outputs, out["gradients"], 0),
+        "optimizer step": (batch + trace.kept_outputs, gradient_shards, 0),
     }
     temporaries = round(step_temporaries * fraction)
     totals = {name: a + g + b + (temporaries if name == "optimizer step" else 0)
@@ -187,10 +187,10 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     out["optimizer_temporaries"] = temporaries if phase == "optimizer step" else 0
     forward = states + totals["forward"]
     backward = states + max(totals[p] for p in ("head backward", "layers backward", "tail backward"))
-    detail.update(engine_model_states=states - out["quantization"] + round(values["gradients"] * fraction),
+    detail.update(engine_model_states=states - out["quantization"] + gradient_shards,
                   peak_phase=phase, forward_peak=round(forward), backward_peak=round(backward),
                   optimizer_step_peak=round(states + totals["optimizer step"]),
-                  gradient_shards=round(values["gradients"] * fraction),
+                  gradient_shards=gradient_shards,
                   activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every layer stays gathered from its forward to its backward" if stage == "zero2" else \

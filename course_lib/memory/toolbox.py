@@ -45,13 +45,13 @@ def toolbox_tricks(setup) -> list[tuple[str, object]]:
     """Lesson 7's exact tricks for "what makes it fit" (time only, same result), in the order
     practitioners stack them. "What makes it fit" tries them after the tricks of lessons 1 to 5 (the
     recipe lesson 5 trains), when those are not enough; a combination the planner refuses (the step in
-    backward after accumulation) is skipped."""
+    backward after accumulation, any of them with --gpus) is skipped there."""
     tricks = []
-    if not setup.optimizer_in_backward and setup.accum == 1:
+    if not setup.optimizer_in_backward:
         tricks.append(("optimizer step in backward", replace(setup, optimizer_in_backward=True)))
     if setup.chunked_loss is None:
         tricks.append((f"chunked loss ({DEFAULT_CHUNK} tokens a chunk)", replace(setup, chunked_loss=DEFAULT_CHUNK)))
-    if not setup.offload_activations and setup.checkpointing == "none":
+    if not setup.offload_activations:
         tricks.append(("activation offloading to host memory (save_on_cpu)", replace(setup, offload_activations=True)))
     return tricks
 
@@ -83,7 +83,7 @@ def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool):
     return hook
 
 
-def toolbox_notes(setup, trace, link_bandwidth: float) -> tuple[list[str], dict]:
+def toolbox_notes(setup, trace) -> tuple[list[str], dict]:
     """The plan's notes and details for lesson 7's options."""
     notes, detail = [], {}
     if setup.optimizer_in_backward:
@@ -93,9 +93,13 @@ def toolbox_notes(setup, trace, link_bandwidth: float) -> tuple[list[str], dict]
         notes.append(f"chunked loss: the output layer and the loss run {setup.chunked_loss} tokens at a time, each "
                      "chunk's logits recomputed in backward (lesson 7)")
     if setup.offload_activations:
-        seconds = 2 * trace.offloaded / link_bandwidth
+        from course_lib.measure import format_bytes
+        from course_lib.paging.policies import PCIE3_X16
+        from course_lib.toolbox.activation_offload import transfer_seconds
+
+        seconds = transfer_seconds(trace.offloaded, trace.offloaded)
         detail.update(offload_bytes_each_way=trace.offloaded, offload_seconds_predicted=seconds)
-        notes.append(f"offload activations: {trace.offloaded / 2**20:,.1f} MiB to host memory in forward and back in "
+        notes.append(f"offload activations: {format_bytes(trace.offloaded)} to host memory in forward and back in "
                      f"backward, weights saved by matmuls included; predicted {seconds * 1e3:,.1f} ms per step at "
-                     f"{link_bandwidth / 1e9:.2f} GB/s each way (the T4's PCIe 3.0 x16), not overlapped")
+                     f"{PCIE3_X16 / 1e9:.2f} GB/s each way (the T4's PCIe 3.0 x16), not overlapped")
     return notes, detail

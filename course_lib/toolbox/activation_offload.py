@@ -29,14 +29,13 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, weights=()) -> None:
-        self.to_host = self.to_device = self.weights_to_host = self.packed = 0
+        self.to_host = self.to_device = self.weights_to_host = 0
         self._weights = {w.untyped_storage()._cdata for w in weights}
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
         nbytes = tensor.numel() * tensor.element_size()
         self.to_host += nbytes
-        self.packed += 1
         if tensor.untyped_storage()._cdata in self._weights:
             self.weights_to_host += nbytes
         data = None
