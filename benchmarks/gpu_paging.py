@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_paging.py [--part probe|demo|sweep|spike|all] [--capacity-gib 4] [--json PATH]
 
-A big GPU is made to look `--capacity-gib` big (`offload.VirtualGPU`: a balloon of ordinary memory
+A big GPU is made to look `--capacity-gib` big (`paging.VirtualGPU`: a balloon of ordinary memory
 leaves that much free after the CUDA context, and PyTorch's allocator is capped there). Every row
 that creates paged state runs in a process of its own (bitsandbytes never frees it). Parts:
 - probe: which 2 MB chunks the driver evicts (allocation order or LRU), and unified memory's rates:
@@ -15,7 +15,7 @@ that creates paged state runs in a process of its own (bitsandbytes never frees 
 - spike: one long batch: bitsandbytes' unpaged 32-bit AdamW against the paged one, and the steps
   after it with and without `torch.cuda.empty_cache()`.
 Every outcome the demo and the spike claim is at least 15% clear of the capacity in the simulator's
-accounting (`offload.demo_claims`, `offload.spike_plan`): a PASS/FAIL line compares each with the GPU.
+accounting (`paging.demo_claims`, `paging.spike_plan`): a PASS/FAIL line compares each with the GPU.
 The numbers go to --json after every step (default: $OUT/gpu_paging.json when $OUT is set).
 benchmarks/gpu_check.sh runs each part with a time budget. On a CPU it prints one line.
 """
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
               "on CPU, benchmarks/paging_regimes.py shows the simulator's version.")
         return 0
 
-    from course_lib import isolate, offload, paging
+    from course_lib import isolate, paging
 
     capacity = int(args.capacity_gib * GiB)
-    shape = offload.demo_shape(capacity)
+    shape = paging.demo_shape(capacity)
     results: dict = {"capacity": capacity, "shape": shape, "checks": []}
     parts = PARTS if args.part == "all" else (args.part,)
 
@@ -91,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if "demo" in parts:
         t = time.perf_counter()
-        demo = offload.paging_demo(capacity, args.steps, shape=shape)
+        demo = paging.paging_demo(capacity, args.steps, shape=shape)
         results["demo"] = demo
         print(f"\ndemo at {args.capacity_gib:g} GiB, one process per row ({time.perf_counter() - t:.0f} s):")
-        print(offload.runs_table(demo["runs"]))
+        print(paging.runs_table(demo["runs"]))
         runs = demo["runs"]
         check("plain AdamW runs out of memory under the cap", runs["adamw"].get("status") == "out of memory")
-        for name in offload.DEMO_OPTIMIZERS[1:]:
+        for name in paging.DEMO_OPTIMIZERS[1:]:
             check(f"{name} completes", runs[name].get("status") == "ok")
         floor = max((r["steps"][-1]["outside_allocator"] for n, r in runs.items()
                      if not n.startswith("paged") and r.get("steps")), default=0)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     if "sweep" in parts:
-        rows = offload.isolated_runs([{"optimizer": "paged_adamw_32bit", "shape": shape, "steps": args.steps,
+        rows = paging.isolated_runs([{"optimizer": "paged_adamw_32bit", "shape": shape, "steps": args.steps,
                                        "capacity": int(capacity * f)} for f in (1.6, 1.0, 0.8)])
         results["sweep"] = rows
         fits = rows[0]
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         nbytes=256 * 2**20, timeout=60)
         print(f"\n{'capacity':>9} {'measured ms':>11} {'simulated ms':>12} {'simulated GB moved':>18}")
         if fits.get("status") == "ok" and rates.get("status") != "crashed":
-            setup = offload.mlp_setup(shape)
+            setup = paging.mlp_setup(shape)
             last = fits["steps"][-1]
             flops = 6 * setup.n_params * shape["tokens"] / (last["forward"] + last["backward"])
             cat = setup.bytes_by_category()
@@ -150,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     if "spike" in parts:
-        plan = offload.spike_plan(capacity, shape)
+        plan = paging.spike_plan(capacity, shape)
         tokens = plan["tokens"]
         labels = (("unpaged 32-bit", "adamw_32bit", ()), ("paged, cache kept", "paged_adamw_32bit", ()),
                   ("paged, empty_cache", "paged_adamw_32bit", (plan["spike_step"],)))
-        runs = offload.isolated_runs([{"optimizer": name, "shape": shape, "steps": len(tokens), "capacity": plan["capacity"],
+        runs = paging.isolated_runs([{"optimizer": name, "shape": shape, "steps": len(tokens), "capacity": plan["capacity"],
                                        "tokens_per_step": tokens, "empty_cache_after": list(flush)}
                                       for _, name, flush in labels])
         spike = dict(zip([label for label, _, _ in labels], runs))

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_qlora.py needs a CUDA GPU (the 1B-class configuration); on a CPU run the lesson 5 notebook")
         return 0
-    from course_lib import qlora, qlora_gpu
+    from course_lib import qlora
     from course_lib.measure import format_bytes
 
     parts = PARTS if args.part == "all" else (args.part,)
@@ -106,15 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         results["ablation"] = [{**asdict(r), "recipe": r.recipe.describe(), "error": r.error} for r in rows]
         save()
     if "precision" in parts:
-        rates = qlora_gpu.matmul_rates()
+        rates = qlora.matmul_rates()
         results["matmul_tflops"] = rates
         print("matmul TFLOP/s (measured): " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
         save()
     if "trainer" in parts:
         from course_lib import isolate
 
-        folder = str(qlora._checkpoint_dir(config))
-        run = isolate.run("course_lib.qlora_gpu:train_row", config_dir=folder, seq=128, accum=4, max_steps=15,
+        folder = str(qlora.checkpoint_dir(config))
+        run = isolate.run("course_lib.qlora.gpu_rows:train_row", config_dir=folder, seq=128, accum=4, max_steps=15,
                           as_t4=args.as_t4)
         results["trainer"] = run
         if run.get("status") == "ok":
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Trainer run: {run}")
         save()
     if "expandable" in parts:
-        effect = qlora_gpu.expandable_segments_effect("1b", args.seq, args.accum, as_t4=args.as_t4)
+        effect = qlora.expandable_segments_effect("1b", args.seq, args.accum, as_t4=args.as_t4)
         results["expandable_segments"] = effect
         print("expandable_segments, the training step alone (measured, a fresh process each):")
         for value, peaks in effect.items():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from course_lib.errors import UserError
 
@@ -16,12 +18,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _check(args: argparse.Namespace) -> int:
+    # off the import path: course_lib.device imports torch (a second): keeps the other commands light
     from course_lib.device import check_environment
 
     return 0 if check_environment() else 1
 
 
 def _make_exercises(args: argparse.Namespace) -> int:
+    # off the import path: course_lib.exercises imports nbclient and nbformat (seconds): keeps `course-lib plan` light
     from course_lib.exercises import write_exercises
 
     report = write_exercises(args.solutions, args.exercises, force=args.force)
@@ -31,8 +35,7 @@ def _make_exercises(args: argparse.Namespace) -> int:
 
 
 def _kernelspec(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    # off the import path: course_lib.exercises imports nbclient and nbformat (seconds): keeps `course-lib plan` light
     from course_lib.exercises import set_kernelspec
 
     for folder in args.folders:
@@ -45,6 +48,7 @@ def _kernelspec(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
+    # off the import path: course_lib.exercises imports nbclient and nbformat (seconds): keeps `course-lib plan` light
     from course_lib.exercises import grade
 
     return grade(args.notebooks, args.csv, reference_dir=args.reference, cell_timeout=args.timeout,
@@ -67,8 +71,7 @@ def _positive(kind: type):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import json
-
+    # off the import path: course_lib.memory imports torch (a second): keeps `course-lib grade` light
     from course_lib.memory import PlanError, plan_from_cli
 
     try:

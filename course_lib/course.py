@@ -39,8 +39,8 @@ def gpu_only(line: str, cell: str) -> None:
     The line after the magic says what the cell demonstrates, so that a learner on a CPU still
     reads what a GPU would show.
     """
-    import torch
-    from IPython import get_ipython
+    import torch  # off the import path: torch takes a second to import
+    from IPython import get_ipython  # off the import path: IPython: only inside a notebook
 
     reason = line.strip().strip("'\"") or "this cell needs a CUDA GPU"
     if not torch.cuda.is_available():

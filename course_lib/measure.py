@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -349,8 +350,6 @@ def profiler_peak(step: Callable[[], None]) -> int:
     An independent check of `LiveStorageTracker`: the profiler records every allocation and free
     of the CPU allocator. The result is relative to what was allocated before `step` started.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     with _native_stderr_silenced():  # the profiler's C++ side prints "USDT: profiler_start/stop"
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()

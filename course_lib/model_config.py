@@ -12,8 +12,12 @@ import copy
 import difflib
 import json
 import re
+import socket
 import warnings
 from pathlib import Path
+from urllib.parse import urlparse
+
+from course_lib.cache import cached_answer
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 
@@ -59,7 +63,7 @@ def load_config(name_or_path: str | Path):
     Unknown names raise ModelNotFound listing the closest bundled names; unreadable files raise
     ModelNotFound saying what is wrong with them.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # off the import path: transformers takes seconds to import
 
     text = str(name_or_path)
     path = _config_file(text)
@@ -106,7 +110,7 @@ SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab
 def _check_sizes_given(source: str, model_type: str, fields: dict) -> None:
     """A config must give the model's own sizes: transformers would fill in the defaults of its
     class (for "llama", Llama-2-7B's), and the plan would be another model's (lesson 1)."""
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # off the import path: transformers takes seconds to import
 
     if model_type not in CONFIG_MAPPING:
         return  # AutoConfig.for_model says it is unknown
@@ -124,8 +128,8 @@ def _check_sizes_given(source: str, model_type: str, fields: dict) -> None:
 def _hub_config(hub_id: str):
     """A config from the Hugging Face Hub (AutoConfig.from_pretrained: config.json only, no weights),
     or ModelNotFound saying how to pass a saved config.json when the Hub cannot be reached."""
-    from huggingface_hub import constants
-    from transformers import AutoConfig
+    from huggingface_hub import constants  # off the import path: huggingface_hub is slow to import
+    from transformers import AutoConfig  # off the import path: transformers takes seconds to import
 
     offline = constants.is_offline_mode() or not _hub_reachable(constants.ENDPOINT)
     try:  # offline: the local Hugging Face cache only (no retries)
@@ -144,8 +148,6 @@ def _hub_config(hub_id: str):
 
 def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
     """Whether the Hub's host answers a TCP connection within `timeout` seconds."""
-    import socket
-    from urllib.parse import urlparse
 
     url = urlparse(endpoint)
     try:
@@ -157,6 +159,7 @@ def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
 
 def _check_causal_lm(config, source: str) -> None:
     """The planner traces decoder-only causal LMs; other architectures get one line (lesson 1)."""
+    # off the import path: transformers takes seconds to import
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
@@ -240,7 +243,7 @@ def transformers_config(config):
     if not isinstance(config, SavedConfig):
         return config
     if config._config is None:
-        from transformers import CONFIG_MAPPING
+        from transformers import CONFIG_MAPPING  # off the import path: transformers takes seconds to import
 
         data = json.loads(config._record["json"])
         with warnings.catch_warnings():
@@ -283,8 +286,6 @@ def read_config(key: str):
     path = _config_file(key)
     if path is None:
         return _checked_config(key)
-    from course_lib.memory.cache import cached_answer
-
     loaded = {}
 
     def record() -> dict:

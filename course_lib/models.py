@@ -10,12 +10,14 @@ Face implementation builds them.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from course_lib.cache import cached, cached_answer
+from course_lib.layers import layer_of_each_module
 from course_lib.model_config import (CONFIG_DIR, HUB_IDS, ModelNotFound, bundled_models,  # noqa: F401
                                      config_class_name, config_key, config_stamp, load_config, read_config,
                                      transformers_config)
@@ -44,9 +46,8 @@ def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype 
 
     On the meta device (the default) it holds shapes and no memory: a 70B model builds in a second.
     """
-    from transformers import AutoModelForCausalLM
-
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM  # off the import path: transformers takes seconds to import
+    from transformers.utils import logging as hf_logging  # off the import path: transformers takes seconds to import
 
     config = transformers_config(config)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
@@ -69,9 +70,8 @@ def supported_attention(config, requested: str | None) -> str | None:
     refuses SDPA (Gemma-2, whose attention caps its logits) (lessons 1 and 3)."""
     if requested != "sdpa":
         return requested
-    from course_lib.memory.cache import cached_answer
-
     def supports_sdpa() -> bool:  # imports the model's module (about a second): asked once, kept on disk
+        # off the import path: transformers takes seconds to import
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
         try:
@@ -91,6 +91,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     module: str  # "linear", "embedding", "norm" or "other"
     is_lm_head: bool = False
+    layer: int | None = None  # the decoder layer holding it (layers.find_layer_stack), None outside the stack
 
     @property
     def numel(self) -> int:
@@ -140,20 +141,20 @@ def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec
     seen: set[int] = set()
     infos = []
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layer_of = layer_of_each_module(model)
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
             infos.append(ParamInfo(f"{module_name}.{param_name}" if module_name else param_name,
-                                   tuple(param.shape), _module_kind(module), module is output))
+                                   tuple(param.shape), _module_kind(module), module is output,
+                                   layer_of.get(id(module))))
     return ModelSpec(name, config if config is not None else getattr(model, "config", None), tuple(infos))
 
 
 @lru_cache(maxsize=64)
 def _cached_spec(key: str, stamp: tuple | None) -> ModelSpec:  # stamp: see config_stamp
-    from course_lib.memory.cache import cached_params
-
     config = read_config(key)
     name = key if key in bundled_models() else Path(key).parent.name if key.endswith("config.json") else Path(key).stem
 
@@ -167,6 +168,13 @@ def _cached_spec(key: str, stamp: tuple | None) -> ModelSpec:  # stamp: see conf
         return spec_from_model(model, name, config).params
 
     return ModelSpec(name, config, cached_params(config.to_json_string(use_diff=False), build))
+
+
+def cached_params(config_json: str, make) -> tuple[ParamInfo, ...]:
+    """The parameter list of a config from the disk cache (course_lib.cache), or `make()` kept there."""
+    return cached("params", config_json, make, lambda params: [asdict(p) for p in params],
+                  lambda data: tuple(ParamInfo(p["name"], tuple(p["shape"]), p["module"], p["is_lm_head"], p["layer"])
+                                     for p in data))
 
 
 def model_spec(name_or_path: str | Path) -> ModelSpec:

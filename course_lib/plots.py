@@ -17,7 +17,7 @@ from course_lib.paging import TOUCH_CATEGORIES
 
 if TYPE_CHECKING:
     from course_lib.accumulation import CostRow
-    from course_lib.offload import TimelineEntry
+    from course_lib.paging.timeline import TimelineEntry
     from course_lib.paging import SimulationResult, Touch
 
 

@@ -1,4 +1,4 @@
-"""Tests of course_lib.paging (the unified-memory simulator) and course_lib.offload (lesson 4)."""
+"""Tests of course_lib.paging (lesson 4): the unified-memory simulator and the real-GPU side."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from course_lib import isolate, offload
+from course_lib import isolate
 from course_lib import paging as pg
 from course_lib.paging import KiB, MiB
 
@@ -447,10 +447,10 @@ def test_simulated_offload_saves_the_state_and_costs_every_step():
 @pytest.mark.parametrize("offload_gradients", [True, False])
 def test_cpu_offload_adamw_matches_torch_adamw(offload_gradients):
     torch.manual_seed(0)
-    a, b = offload.mlp(12, 3), offload.mlp(12, 3)
+    a, b = pg.mlp(12, 3), pg.mlp(12, 3)
     b.load_state_dict(a.state_dict())
     ref = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
-    off = offload.CPUOffloadAdamW(b.parameters(), lr=1e-2, weight_decay=0.1, offload_gradients=offload_gradients)
+    off = pg.CPUOffloadAdamW(b.parameters(), lr=1e-2, weight_decay=0.1, offload_gradients=offload_gradients)
     for _ in range(4):
         for micro in range(2):   # gradient accumulation: two backward passes per step
             x = torch.randn(5, 12)
@@ -469,24 +469,24 @@ def test_cpu_offload_adamw_matches_torch_adamw(offload_gradients):
 
 def test_cpu_offload_adamw_rejects_bad_input():
     with pytest.raises(ValueError, match="no parameters"):
-        offload.CPUOffloadAdamW([torch.nn.Parameter(torch.ones(2), requires_grad=False)])
+        pg.CPUOffloadAdamW([torch.nn.Parameter(torch.ones(2), requires_grad=False)])
     with pytest.raises(ValueError, match="lr"):
-        offload.CPUOffloadAdamW([torch.nn.Parameter(torch.ones(2))], lr=-1)
+        pg.CPUOffloadAdamW([torch.nn.Parameter(torch.ones(2))], lr=-1)
 
 
 def test_the_demo_mlp_puts_each_linear_on_its_own_layer():
-    setup = offload.mlp_setup({"hidden": 16, "layers": 3, "tokens": 4})
+    setup = pg.mlp_setup({"hidden": 16, "layers": 3, "tokens": 4})
     assert setup.n_layers == 3
     assert [p.layer for p in setup.params] == [0, 0, 1, 1, 2, 2]
 
 
 def test_prefetch_timeline_records_each_parameter_on_cpu():
     bnb = pytest.importorskip("bitsandbytes")
-    model = offload.mlp(32, 2)
+    model = pg.mlp(32, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = bnb.optim.PagedAdamW32bit(model.parameters(), lr=1e-3)
-        timeline = offload.PrefetchTimeline(opt)
+        timeline = pg.PrefetchTimeline(opt)
         model(torch.randn(4, 32)).sum().backward()
         timeline.start_step()
         opt.step()
@@ -494,32 +494,32 @@ def test_prefetch_timeline_records_each_parameter_on_cpu():
     assert kinds == ["prefetch", "update"] * 4
     assert all(e.end >= e.start for e in timeline.entries)
     with pytest.raises(TypeError):
-        offload.PrefetchTimeline(torch.optim.SGD(model.parameters(), lr=0.1))
+        pg.PrefetchTimeline(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_demo_runs_on_cpu_and_the_cuda_parts_say_they_need_cuda():
-    run = offload.run_training("paged_adamw_8bit", {"hidden": 64, "layers": 2, "tokens": 8}, 2)
+    run = pg.run_training("paged_adamw_8bit", {"hidden": 64, "layers": 2, "tokens": 8}, 2)
     assert run.status == "ok" and len(run.steps) == 2
     if not torch.cuda.is_available():
-        for fn in (offload.paging_demo, offload.measure_bandwidths):
+        for fn in (pg.paging_demo, pg.measure_bandwidths):
             with pytest.raises(RuntimeError, match="CUDA"):
                 fn()
         with pytest.raises(RuntimeError, match="CUDA"):
-            offload.VirtualGPU(2**30)
+            pg.VirtualGPU(2**30)
 
 
 @pytest.mark.parametrize("gib", [2, 3, 4, 8, 15])
 def test_every_demo_outcome_is_clear_of_the_capacity_by_the_margin(gib):
-    margins = offload.demo_margins(gib * 2**30)
-    claims = offload.demo_claims(margins)
+    margins = pg.demo_margins(gib * 2**30)
+    claims = pg.demo_claims(margins)
     assert claims and all(claims.values()), {k: v for k, v in claims.items() if not v}
     # and the claims can fail: a device 30% larger fits plain AdamW's state far better
-    assert not all(offload.demo_claims(offload.demo_margins(int(1.3 * gib * 2**30), offload.demo_shape(gib * 2**30))).values())
+    assert not all(pg.demo_claims(pg.demo_margins(int(1.3 * gib * 2**30), pg.demo_shape(gib * 2**30))).values())
 
 
 @pytest.mark.parametrize("gib", [2, 4, 8])
 def test_the_spike_experiment_is_clear_of_the_capacity_by_the_margin(gib):
-    plan = offload.spike_plan(gib * 2**30)
+    plan = pg.spike_plan(gib * 2**30)
     assert all(plan["claims"].values()), plan["claims"]
     assert max(plan["tokens"]) == plan["tokens"][plan["spike_step"]] > 10 * min(plan["tokens"])
 
@@ -534,7 +534,7 @@ def test_no_call_that_ends_the_process():
 
 def test_every_demo_row_runs_in_a_process_of_its_own():
     shape = {"hidden": 32, "layers": 2, "tokens": 8}
-    rows = offload.isolated_runs([{"optimizer": "adamw", "shape": shape, "steps": 2},
+    rows = pg.isolated_runs([{"optimizer": "adamw", "shape": shape, "steps": 2},
                                   {"optimizer": "paged_adamw_8bit", "shape": shape, "steps": 2}])
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(len(r["steps"]) == 2 for r in rows)
     pids = [r["pid"] for r in rows]
@@ -544,12 +544,12 @@ def test_every_demo_row_runs_in_a_process_of_its_own():
 def test_the_gpu_demo_sends_each_optimizer_to_its_own_process(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(offload.isolate, "run", lambda target, timeout=None, **kw: calls.append((target, kw))
+    monkeypatch.setattr(isolate, "run", lambda target, timeout=None, **kw: calls.append((target, kw))
                         or {"status": "ok", "pid": len(calls)})
-    demo = offload.paging_demo(2**30, steps=2)
-    assert [kw["optimizer"] for _, kw in calls] == list(offload.DEMO_OPTIMIZERS)
-    assert {target for target, _ in calls} == {"course_lib.offload:demo_row"}
-    assert len({run["pid"] for run in demo["runs"].values()}) == len(offload.DEMO_OPTIMIZERS)
+    demo = pg.paging_demo(2**30, steps=2)
+    assert [kw["optimizer"] for _, kw in calls] == list(pg.DEMO_OPTIMIZERS)
+    assert {target for target, _ in calls} == {"course_lib.paging.demo:demo_row"}
+    assert len({run["pid"] for run in demo["runs"].values()}) == len(pg.DEMO_OPTIMIZERS)
 
 
 def test_a_child_that_dies_is_a_row_status_not_a_dead_caller():
@@ -561,7 +561,7 @@ def test_a_child_that_dies_is_a_row_status_not_a_dead_caller():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_plain_adamw_ooms_and_paged_completes():
-    result = offload.paging_demo(2 * 2**30, steps=3, optimizers=("adamw", "paged_adamw_32bit", "paged_adamw_8bit"))
+    result = pg.paging_demo(2 * 2**30, steps=3, optimizers=("adamw", "paged_adamw_32bit", "paged_adamw_8bit"))
     runs = result["runs"]
     assert runs["adamw"]["status"] == "out of memory"
     assert runs["paged_adamw_32bit"]["status"] == "ok"

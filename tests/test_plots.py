@@ -13,7 +13,7 @@ from course_lib import paging as pg  # noqa: E402
 from course_lib import plots  # noqa: E402
 from course_lib.accumulation import CostRow  # noqa: E402
 from course_lib.measure import MiB  # noqa: E402
-from course_lib.offload import TimelineEntry  # noqa: E402
+from course_lib.paging import TimelineEntry  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -161,7 +161,7 @@ def test_rows_that_cannot_run_on_the_gpu_say_why(config, monkeypatch):
     def out_of_memory(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(qlora, "_measure", out_of_memory)
+    monkeypatch.setattr(qlora.measuring, "_measure", out_of_memory)
     failed = qlora.measure_recipe(config, qlora.Recipe(), "cuda", gpu=get_gpu("t4"), policy=T4, label="on")
     assert failed.status == "out of memory" and failed.measured_peak is None
     assert failed.predicted_peak == skipped.predicted_peak  # the same recipe and policy, predicted alike
@@ -197,7 +197,7 @@ def test_on_cuda_every_ablation_row_goes_to_a_process_of_its_own(config, monkeyp
     recipe = qlora.Recipe(seq=16, accum=2)
     rows = qlora.ablation(config, recipe, "cuda", as_t4=True)
     assert len(calls) == len(rows) >= 7
-    assert {target for target, _ in calls} == {"course_lib.qlora_gpu:measure_row"}
+    assert {target for target, _ in calls} == {"course_lib.qlora.gpu_rows:measure_row"}
     assert len({kw["config_dir"] for _, kw in calls}) == 1 and all(kw["as_t4"] for _, kw in calls)
     assert [kw["label"] for _, kw in calls] == [r.label for r in rows]
     assert rows[1].status.startswith("crashed") and rows[1].measured_peak is None and rows[1].predicted_peak > 0
@@ -206,11 +206,9 @@ def test_on_cuda_every_ablation_row_goes_to_a_process_of_its_own(config, monkeyp
 
 
 def test_an_isolated_row_runs_in_a_child_process_and_measures_the_same(config):
-    from course_lib import qlora_gpu
-
     recipe = qlora.Recipe(seq=32, accum=1)
-    [child] = qlora_gpu.isolated_rows(config, [("all on", recipe)], "cpu")
-    here = qlora.measure_recipe(config, recipe, weights=qlora._checkpoint_dir(config))
+    [child] = qlora.isolated_rows(config, [("all on", recipe)], "cpu")
+    here = qlora.measure_recipe(config, recipe, weights=qlora.checkpoint_dir(config))
     assert child.status == "measured" and child.label == "all on"
     assert child.measured_peak == here.measured_peak and child.predicted_peak == here.predicted_peak
 
@@ -259,9 +257,9 @@ def test_the_random_checkpoint_is_saved_once_for_every_process(config, tmp_path,
     """With COURSE_LIB_CHECKPOINTS set (gpu_check.sh sets it), a second process finds the checkpoint the
     first one saved instead of writing it again."""
     monkeypatch.setenv("COURSE_LIB_CHECKPOINTS", str(tmp_path))
-    monkeypatch.setattr(qlora, "_SAVED", {})
-    first = qlora._checkpoint_dir(config)
+    monkeypatch.setattr(qlora.building, "_SAVED", {})
+    first = qlora.checkpoint_dir(config)
     stamp = (first / "config.json").stat().st_mtime_ns
-    monkeypatch.setattr(qlora, "_SAVED", {})          # as in a fresh process
-    again = qlora._checkpoint_dir(config)
+    monkeypatch.setattr(qlora.building, "_SAVED", {})          # as in a fresh process
+    again = qlora.checkpoint_dir(config)
     assert again == first and first.parent == tmp_path and (again / "config.json").stat().st_mtime_ns == stamp

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib.measure import SavedTensorRecorder, format_bytes, optimizer_state_tensors, peak_bytes, storage_bytes
 
@@ -65,8 +66,6 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
     measured in a separate step, by `course_lib.measure.LiveStorageTracker` on CPU and by the CUDA
     allocator's peak statistics on a GPU.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
 
     device = torch.device(device) if device is not None else torch.device("cpu")
     for b in micro_batches:

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, SequentialSampler
 
 from course_lib.accumulation.batches import collate_padded, padded_token_batches, padded_token_examples
 from course_lib.accumulation.broken import loop_class, sgd_and_schedule
@@ -19,6 +21,7 @@ from course_lib.accumulation.loop import max_weight_difference
 from course_lib.accumulation.losses import TokenLoss
 from course_lib.accumulation.tiny_models import TinyTokenLM, tiny_causal_lm_config
 from course_lib.measure import PlainTextTable
+from course_lib.sharding.launch import run_ranks
 
 
 @dataclass
@@ -51,10 +54,9 @@ def trainer_cross_check(n_sequences: int = 22, micro_batch_size: int = 2, accumu
     `gradient_accumulation_steps=accumulation_steps`; `n_sequences / micro_batch_size` not a multiple
     of K exercises the short final window. Nothing is downloaded or saved.
     """
-    import transformers
+    import transformers  # off the import path: transformers takes seconds to import
+    # off the import path: transformers takes seconds to import
     from transformers import LlamaForCausalLM, PrinterCallback, Trainer, TrainingArguments
-
-    from torch.utils.data import DataLoader, SequentialSampler
 
     class SequentialTrainer(Trainer):
         def _get_train_sampler(self, *args, **kwargs):
@@ -140,8 +142,6 @@ def _ddp_train(model: nn.Module, batches, k: int, mistakes: tuple[str, ...] = ()
 
 def _ddp_worker(rank: int, world_size: int, variants, n_micro: int, k: int, rows_per_rank: int, seed: int) -> dict:
     """One rank of the cross-check, in a gloo group started by `course_lib.sharding.run_ranks`."""
-    import torch.distributed as dist
-
     _, shards = _ddp_data(world_size, n_micro, rows_per_rank, seed)
     results = {}
     for mistakes in variants:
@@ -184,8 +184,6 @@ def ddp_accumulation_demo(variants: Sequence[Sequence[str]] = ((),), world_size:
     gradient all-reduces of each window. Processes start with `spawn` on 127.0.0.1 and a free port;
     they are killed and an error is raised if they do not finish within `timeout_s`.
     """
-    from course_lib.sharding.launch import run_ranks
-
     variants = [tuple(v) for v in variants]
     for v in variants:
         loop_class(v)  # an unknown mistake is refused before any process starts

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course_lib.accumulation.batches import check_accumulation_steps, concat_batches
@@ -68,8 +69,6 @@ def _is_ddp(model: nn.Module) -> bool:
 
 
 def _all_reduce_number(value: float | int, device: torch.device, dtype=torch.float64) -> float:
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=dtype, device=device)
     dist.all_reduce(t)
     return t.item()
@@ -205,7 +204,7 @@ class AccumulationLoop:
 
     def run(self, batches: Iterable[Batch]) -> TrainResult:
         """Train over `batches` (micro-batches), one optimizer step per window of K."""
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # off the import path: tqdm.auto imports ipywidgets in a notebook
 
         total = math.ceil(len(batches) / self.k) if hasattr(batches, "__len__") else None
         self.model.train()

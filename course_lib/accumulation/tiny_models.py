@@ -76,7 +76,7 @@ class TinyTokenLM(nn.Module):
 
 def tiny_causal_lm_config(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, heads: int = 4):
     """A tiny Llama config (random weights, no download) for the Trainer cross-check (lesson 2)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # off the import path: transformers takes seconds to import
 
     return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,

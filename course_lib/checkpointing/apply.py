@@ -13,32 +13,19 @@ argument made inside the segment, a KV cache.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint, noop_context_fn
 
 from course_lib.checkpointing.plans import validate_plan
 from course_lib.checkpointing.selective import context_fn_for
+from course_lib.layers import find_layer_stack
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def find_layer_stack(model: nn.Module) -> nn.ModuleList | nn.Sequential:
-    """The repeated layers of a model: the model itself when it is an nn.Sequential or nn.ModuleList,
-    else the longest nn.ModuleList of same-class modules inside it (a Hugging Face decoder's
-    `model.layers`, GPT-2's `transformer.h`) (lesson 3, "applying a plan")."""
-    if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return model
-    best, best_len = None, 0
-    for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > best_len:
-            if len({type(layer) for layer in module}) == 1:
-                best, best_len = module, len(module)
-    if best is None:
-        raise ValueError(f"no layer stack found in {type(model).__name__}: pass an nn.Sequential, an "
-                         f"nn.ModuleList, or a model holding an nn.ModuleList of identical layers")
-    return best
 
 
 def _hidden_of(output):
@@ -54,8 +41,6 @@ def _rng_state() -> list[torch.Tensor]:
 
 
 def _tensors(obj) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -63,10 +48,6 @@ def _positional(options: dict) -> list:
     """`options` in the order of torch's private `_checkpoint_without_reentrant_generator(fn, ..., *args)`
     (the frame torch.utils.checkpoint itself uses), whose extra positional arguments are the inputs:
     read from its signature, so that a torch whose private order differs fails with one clear line."""
-    import inspect
-
-    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
-
     names = [p.name for p in inspect.signature(_checkpoint_without_reentrant_generator).parameters.values()
              if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
     if set(names) != set(options):
@@ -79,8 +60,6 @@ class _OpenSegment:
     """One segment's frame while the forward runs through it, and the calls to replay."""
 
     def __init__(self, plan: AppliedPlan, start: int, end: int, hidden: torch.Tensor) -> None:
-        from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
-
         self.start, self.end, self.next = start, end, start
         self.calls: list[tuple[tuple, dict, bool]] = []  # (args after the hidden, kwargs, hidden as kwarg)
         self.made: set[int] = set()  # ids of tensors the segment's layers returned
@@ -297,8 +276,6 @@ def hf_checkpointing(model: nn.Module, enable: bool = True, *, use_reentrant: bo
 def checkpointed_forward(layers: Sequence[nn.Module], x: torch.Tensor, plan, *, policy="full") -> torch.Tensor:
     """Run `layers` one after the other on `x` under a plan with `torch.utils.checkpoint.checkpoint`,
     without touching the modules (lesson 3, "the raw API")."""
-    from torch.utils.checkpoint import checkpoint
-
     layers = list(layers)
     starts = dict(validate_plan(plan, len(layers)))
     context_fn = context_fn_for(policy)

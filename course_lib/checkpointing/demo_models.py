@@ -7,6 +7,8 @@ import re
 import torch
 from torch import nn
 
+from course_lib.models import supported_attention
+
 
 def mlp_stack(n_layers: int, width: int, activation: str = "relu") -> nn.Sequential:
     """n_layers layers of Linear(width, width) + activation (lesson 3, "the MLP").
@@ -71,7 +73,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mistra
 
 
 def _decoder_config(arch: str, *, n_layers, hidden, heads, intermediate, vocab, sliding_window):
-    import transformers
+    import transformers  # off the import path: transformers takes seconds to import
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
                   num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=heads,
@@ -108,11 +110,10 @@ def tiny_decoder(arch: str = "llama", *, n_layers: int = 8, hidden: int = 128, h
     window of the sliding-attention layers (Mistral, Qwen2's upper half, Phi-3, Gemma-2's every
     other layer).
     """
-    import transformers
+    import transformers  # off the import path: transformers takes seconds to import
 
     config = _decoder_config(arch, n_layers=n_layers, hidden=hidden, heads=heads, intermediate=intermediate,
                              vocab=vocab, sliding_window=sliding_window)
-    from course_lib.models import supported_attention
 
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHITECTURES[arch])._from_config(

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib.checkpointing.apply import apply_plan, find_layer_stack
+from course_lib.checkpointing.apply import apply_plan
+from course_lib.layers import find_layer_stack
 from course_lib.checkpointing.plans import Plan, named_plan, segments_plan, validate_plan
 from course_lib.checkpointing.profile import StackProfile, flop_counter, profile_stack
 from course_lib.checkpointing.selective import policy_name

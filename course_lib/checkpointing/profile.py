@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from course_lib.checkpointing.apply import find_layer_stack
 from course_lib.checkpointing.optimal import optimal_plan, plan_frontier
 from course_lib.checkpointing.plans import Plan, PlanCost, plan_cost
+from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker, storage_bytes, unique_storages
 
 
 def flop_counter():
     """torch's FlopCounterMode, taught CPU flash attention too (torch counts only the CUDA kernels)."""
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
-
     aten = torch.ops.aten
     mapping = {}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
@@ -32,8 +32,6 @@ def flop_counter():
 
 
 def _storage_keys(obj) -> set:
-    from torch.utils._pytree import tree_flatten
-
     tensors = [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
     return set(unique_storages(tensors))
 

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 LINEAR_OPS = tuple(getattr(torch.ops.aten, name) for name in ("mm", "addmm") if hasattr(torch.ops.aten, name))
 ATTENTION_OPS = tuple(getattr(torch.ops.aten, name) for name in (
@@ -34,23 +35,17 @@ def _packet(op):
 def korthikanti_policy(ctx, op, *args, **kwargs):
     """Keep the linear layers' outputs (mm, addmm), recompute the rest, the attention core included
     (Korthikanti et al. 2022, section 5; lesson 3, "selective checkpointing")."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if _packet(op) in LINEAR_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def save_matmuls_policy(ctx, op, *args, **kwargs):
     """Keep every matmul and attention kernel's output, recompute the pointwise ops: the seed's
     "selective" policy (lesson 3, "selective checkpointing")."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if _packet(op) in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def save_everything_policy(ctx, op, *args, **kwargs):
     """Keep every op's output: the control that measures the policy machinery's own cost (lesson 3)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE
 
 
@@ -72,7 +67,6 @@ def context_fn_for(policy) -> Callable | None:
     """The `context_fn` for torch's non-reentrant checkpoint: None for full checkpointing (lesson 3)."""
     if policy is None or policy == "full":
         return None
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if isinstance(policy, str):
         if policy not in POLICIES:

@@ -43,7 +43,7 @@ def check_model_state_bytes(model_state_bytes) -> None:
 def _real_8bit_state(numel: int) -> int | None:
     """Bytes of a real bitsandbytes AdamW8bit's state for one tensor, qmaps excluded (None without bnb)."""
     try:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # off the import path: bitsandbytes loads its native library
     except Exception:
         return None
     param = torch.nn.Parameter(torch.randn(numel))

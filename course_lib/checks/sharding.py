@@ -7,10 +7,9 @@ from dataclasses import replace
 from course_lib import memory
 from course_lib.checks.hints import refuse_reference
 from course_lib.memory import Setup, plan
-from course_lib.memory.sharded import SHARDS
+from course_lib.memory.setup import SHARDS
 
 __all__ = ["check_model_states_per_gpu", "check_fewest_gpus"]
-
 
 
 def _states(p) -> int:

@@ -79,6 +79,7 @@ def check_optimizer_in_backward(attach_optimizer_hooks) -> None:
 
 
 def _hf_loss(logits, labels):
+    # off the import path: transformers takes seconds to import
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     return ForCausalLMLoss(logits, labels, logits.shape[-1])

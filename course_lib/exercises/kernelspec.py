@@ -15,6 +15,7 @@ import nbformat
 def jupyterlab_kernelspec() -> dict:
     """{"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}, as ipykernel's
     kernel.json says (JupyterLab copies it into each notebook it saves)."""
+    # off the import path: ipykernel imports IPython and zmq
     from ipykernel.kernelspec import KERNEL_NAME, get_kernel_dict
 
     spec = get_kernel_dict()

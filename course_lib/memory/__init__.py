@@ -18,15 +18,19 @@ lesson 3 share one source of truth. `benchmarks/planner_accuracy.py` checks the 
 real training steps measured by `course_lib.measure`.
 
 The package, a module per job: `setup` (what is asked), `states` (model states, exact), `trace` (the
-meta-device step), `compose` and `cache` (the fast path), `gpus` (the catalog and the fit verdict),
-`planner` (the plan and its notes), `fit` (what makes it fit).
+meta-device step), `compose` (the fast path; `course_lib.cache` keeps traces on disk), `activations`
+(the step over the model states), `sharded` (one rank's share, lesson 6), `toolbox` (lesson 7's
+tricks), `gpus` (the catalog and the fit verdict), `prediction` (one setup's plan and its notes),
+`fit` (what makes it fit), `planner` (`plan` and `plan_from_cli`, the entry points).
 """
 
+from course_lib.memory.activations import korthikanti_bytes
 from course_lib.memory.fit import what_makes_it_fit
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, GPUS, default_precision, get_gpu
-from course_lib.memory.planner import Plan, Trick, korthikanti_bytes, plan, plan_from_cli
-from course_lib.memory.sharded import SHARDS, offload_prediction
-from course_lib.memory.setup import (ATTENTIONS, CATEGORIES, DEFAULT_LORA_RANK, LOOPS, OPTIMIZERS, PRECISIONS, QUANTS,
+from course_lib.memory.planner import plan, plan_from_cli
+from course_lib.memory.prediction import Plan, Trick
+from course_lib.memory.sharded import offload_prediction
+from course_lib.memory.setup import (ATTENTIONS, CATEGORIES, DEFAULT_LORA_RANK, LOOPS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDS,
                                      PlanError, Setup)
 from course_lib.memory.states import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_QMAPS_BYTES, NF4_BLOCK, NF4_DQ_BLOCK,
                                       ModelStates, model_states, nf4_bytes, optimizer_state_bytes)

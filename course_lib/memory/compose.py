@@ -104,8 +104,6 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
 
 
 def _composed(spec: ModelSpec, setup, target: str, trace: Callable, n: int, period: int):
-    from course_lib.memory.trace import Trace
-
     small, large = 3 * period, 4 * period
     a, b = trace(shallow_spec(spec, small), setup, target), trace(shallow_spec(spec, large), setup, target)
     per_layer = {name: _periodic(getattr(a, name), getattr(b, name), period, n) for name in PER_LAYER}
@@ -125,7 +123,7 @@ def _composed(spec: ModelSpec, setup, target: str, trace: Callable, n: int, peri
     def peak(phase: str, without_grads: bool) -> int:
         return peaks.get(phase, [0, 0])[without_grads]
 
-    return Trace(
+    return type(a)(  # a Trace (memory.trace), as `trace` makes them
         forward_peak=peak("forward", False), head_backward_peak=peak("head_backward", False),
         layer_backward_peak=peak("layer_backward", False), tail_backward_peak=peak("tail_backward", False),
         forward_peak_without_grads=peak("forward", True),

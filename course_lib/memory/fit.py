@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from course_lib.memory.gpus import GPU, get_gpu
-from course_lib.memory.planner import Plan, Trick, _plan
-from course_lib.memory.setup import DEFAULT_LORA_RANK, PlanError, Setup
+from course_lib.memory.prediction import Plan, Trick, predict
+from course_lib.memory.setup import DEFAULT_LORA_RANK, SHARDS, PlanError, Setup
 from course_lib.memory.toolbox import toolbox_tricks
 
 
@@ -20,8 +20,6 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup]]:
         tricks.append((f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
                        replace(setup, batch=1, accum=setup.batch * setup.accum)))
     if setup.gpus is not None and setup.gpus > 1 and setup.shard != "zero3":  # exact; costs communication (lesson 6)
-        from course_lib.memory.sharded import SHARDS
-
         stage = SHARDS[SHARDS.index(setup.shard) + 1]
         tricks.append((f"shard across the {setup.gpus} GPUs: {stage}", replace(setup, shard=stage)))
     if setup.optimizer in ("adamw", "paged_adamw32bit"):
@@ -47,7 +45,7 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
     after the next one.
     """
     card = get_gpu(gpu)
-    current = current or _plan(model, setup, card)
+    current = current or predict(model, setup, card)
     tricks: list[Trick] = []
     state = setup
     while not current.fits:
@@ -55,7 +53,7 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
             if nxt.quant != "none" and nxt.precision.startswith("mixed"):
                 nxt = replace(nxt, precision=nxt.precision.replace("mixed-", ""))
             try:  # a combination the planner refuses (Setup.validate) is no trick
-                after = _plan(model, nxt.validate(), card)
+                after = predict(model, nxt.validate(), card)
             except PlanError:
                 continue
             if current.total - after.total > current.total // 200:  # saves something worth saying (> 0.5%)

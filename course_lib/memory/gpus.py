@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -54,7 +55,6 @@ def get_gpu(name: str | GPU) -> GPU:
     key = _GPU_ALIASES.get(key, key)
     if key in GPUS:
         return GPUS[key]
-    import difflib
 
     close = difflib.get_close_matches(key, list(GPUS) + list(_GPU_ALIASES), n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -64,7 +64,6 @@ def default_precision(gpu: GPU | None, quant: str = "none") -> str:
     """mixed-bf16, or mixed-fp16 on a GPU without bf16 hardware; the plain compute dtype for a 4-bit base."""
     half = "bf16" if gpu is None or gpu.bf16 else "fp16"
     return half if quant != "none" else f"mixed-{half}"
-
 
 
 def fit_verdict(total: int, gpu: GPU | None) -> str:

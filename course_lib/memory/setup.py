@@ -13,6 +13,7 @@ OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged
 QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
 LOOPS = ("trainer", "keep-outputs")
+SHARDS = ("none", "zero1", "zero2", "zero3")  # lesson 6, `course_lib.memory.sharded`
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
               "optimizer_temporaries", "overhead", "total")
 DEFAULT_LORA_RANK = 16
@@ -100,22 +101,52 @@ class Setup:
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
 
-        from course_lib.memory.sharded import validate as validate_sharding
-
-        validate_sharding(self)
+        _validate_sharding(self)
         try:
             checkpointing.named_plan(4, self.checkpointing)
         except ValueError as error:
             raise PlanError(str(error)) from None
-        from course_lib.memory.toolbox import validate_toolbox
-
-        validate_toolbox(self)
+        _validate_toolbox(self)
         return self
 
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype of the model's weights as stored on the device (the compute dtype for QLoRA)."""
         return _DTYPES[self.precision.split("-")[-1]]
+
+
+def _validate_sharding(setup: Setup) -> None:
+    """PlanError for gpus < 1, an unknown stage, or a stage without gpus (lesson 6)."""
+    if setup.gpus is not None and (isinstance(setup.gpus, bool) or not isinstance(setup.gpus, int) or setup.gpus < 1):
+        raise PlanError(f"gpus must be a positive integer (how many GPUs train together), got {setup.gpus!r}")
+    if setup.shard not in SHARDS:
+        raise PlanError(f"unknown shard stage {setup.shard!r}: use one of {', '.join(SHARDS)}")
+    if setup.shard != "none" and setup.gpus is None:
+        raise PlanError(f"--shard {setup.shard} needs --gpus N: how many GPUs share the model states")
+    if setup.shard in ("zero2", "zero3") and setup.quant != "none":
+        raise PlanError(f"--shard {setup.shard} with --quant {setup.quant}: FSDP of a 4-bit base is not modelled; "
+                        "plan QLoRA on one GPU (no --gpus) or shard a 16-bit model")
+
+
+def _validate_toolbox(setup: Setup) -> None:
+    """PlanError, one line, for a bad value or a combination that cannot work (lesson 7)."""
+    for name in ("optimizer_in_backward", "offload_activations"):
+        if not isinstance(getattr(setup, name), bool):
+            raise PlanError(f"{name} must be True or False, got {getattr(setup, name)!r}")
+    chunk = setup.chunked_loss
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise PlanError(f"chunked_loss must be a positive number of tokens per chunk (or None: the plain "
+                        f"loss), got {chunk!r}")
+    if setup.optimizer_in_backward and setup.accum > 1:
+        raise PlanError(f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
+                        "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1")
+    used = [name for name in ("optimizer_in_backward", "chunked_loss", "offload_activations") if getattr(setup, name)]
+    if used and setup.gpus is not None:
+        raise PlanError(f"{used[0]} with --gpus {setup.gpus}: the planner does not model lesson 7's tricks under "
+                        "data parallelism or sharding; plan one GPU")
+    if setup.offload_activations and setup.checkpointing != "none":
+        raise PlanError("offload_activations with checkpointing: the planner models one of them at a time "
+                        "(transformers' activation_checkpointing_enable(offload=True) is not modelled)")
 
 
 def itemsize(dtype: torch.dtype) -> int:

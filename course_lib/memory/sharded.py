@@ -37,43 +37,27 @@ which stage), under `sharding_buffers`:
 from __future__ import annotations
 
 import math
-import re
 
 from course_lib.measure import format_bytes
+from course_lib.memory.activations import checkpointing_changes, layers_backward_peak
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.models import ModelSpec
 
-SHARDS = ("none", "zero1", "zero2", "zero3")
 # what each stage divides by N, as the paper counts it
 PARTITIONED = {"none": (), "zero1": ("optimizer_state", "master_weights"),
                "zero2": ("optimizer_state", "master_weights", "gradients"),
                "zero3": ("optimizer_state", "master_weights", "gradients", "weights")}
-_LAYER = re.compile(r"^(.*?\.(?:layers|h)\.\d+)\.")
-
-
-def validate(setup: Setup) -> None:
-    """PlanError for gpus < 1, an unknown stage, or a stage without gpus (lesson 6)."""
-    if setup.gpus is not None and (isinstance(setup.gpus, bool) or not isinstance(setup.gpus, int) or setup.gpus < 1):
-        raise PlanError(f"gpus must be a positive integer (how many GPUs train together), got {setup.gpus!r}")
-    if setup.shard not in SHARDS:
-        raise PlanError(f"unknown shard stage {setup.shard!r}: use one of {', '.join(SHARDS)}")
-    if setup.shard != "none" and setup.gpus is None:
-        raise PlanError(f"--shard {setup.shard} needs --gpus N: how many GPUs share the model states")
-    if setup.shard in ("zero2", "zero3") and setup.quant != "none":
-        raise PlanError(f"--shard {setup.shard} with --quant {setup.quant}: FSDP of a 4-bit base is not modelled; "
-                        "plan QLoRA on one GPU (no --gpus) or shard a 16-bit model")
 
 
 def layer_and_root_numels(spec: ModelSpec) -> tuple[list[int], int]:
     """Parameters of each decoder layer (an FSDP2 group each) and of the rest (the root's group)."""
-    layers: dict[str, int] = {}
+    layers: dict[int, int] = {}
     root = 0
-    for info in spec.params:
-        match = _LAYER.match(info.name)
-        if match:
-            layers[match.group(1)] = layers.get(match.group(1), 0) + info.numel
-        else:
+    for info in spec.params:  # info.layer: the decoder layer that layers.find_layer_stack finds
+        if info.layer is None:
             root += info.numel
+        else:
+            layers[info.layer] = layers.get(info.layer, 0) + info.numel
     return list(layers.values()), root
 
 
@@ -144,13 +128,11 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     # (_fsdp_state.py `_root_post_backward_final_callback`): the output layer's and final norm's from the
     # head on, the input embeddings' from the tail on
     root_grads = root_bytes * grad_ratio
-    head_root_grads = sum(info.numel for info in spec.params if not _LAYER.match(info.name)
+    head_root_grads = sum(info.numel for info in spec.params if info.layer is None
                           and (info.is_lm_head or info.module != "embedding")) * per_param * grad_ratio
     layer_shards = gradient_shards * sum(layers) / spec.n_params  # the layers' reduced gradient shards
     states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
-    from course_lib.memory.planner import checkpointing_changes, layers_backward_peak
-
     chosen, held = checkpointing_changes(trace, setup)  # lesson 3's plan, as for one GPU
     layers_peak = layers_backward_peak(trace, chosen.plan, with_grads=False)
     share = max(layers) / sum(layers)

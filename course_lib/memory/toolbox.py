@@ -13,30 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from course_lib.memory.setup import PlanError
+from course_lib.measure import format_bytes
 from course_lib.memory.states import optimizer_step_extra
-
-
-def validate_toolbox(setup) -> None:
-    """PlanError, one line, for a bad value or a combination that cannot work (lesson 7)."""
-    for name in ("optimizer_in_backward", "offload_activations"):
-        if not isinstance(getattr(setup, name), bool):
-            raise PlanError(f"{name} must be True or False, got {getattr(setup, name)!r}")
-    chunk = setup.chunked_loss
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise PlanError(f"chunked_loss must be a positive number of tokens per chunk (or None: the plain "
-                        f"loss), got {chunk!r}")
-    if setup.optimizer_in_backward and setup.accum > 1:
-        raise PlanError(f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
-                        "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1")
-    used = [name for name in ("optimizer_in_backward", "chunked_loss", "offload_activations") if getattr(setup, name)]
-    if used and setup.gpus is not None:
-        raise PlanError(f"{used[0]} with --gpus {setup.gpus}: the planner does not model lesson 7's tricks under "
-                        "data parallelism or sharding; plan one GPU")
-    if setup.offload_activations and setup.checkpointing != "none":
-        raise PlanError("offload_activations with checkpointing: the planner models one of them at a time "
-                        "(transformers' activation_checkpointing_enable(offload=True) is not modelled)")
-
+from course_lib.paging.policies import PCIE3_X16
+from course_lib.toolbox.activation_offload import transfer_seconds
+from course_lib.toolbox.chunked_loss import chunked_causal_lm_loss
 
 DEFAULT_CHUNK = 1024  # tokens per chunk of the chunked loss that "what makes it fit" tries
 
@@ -61,7 +42,6 @@ def traced_loss(model: torch.nn.Module, ids: torch.Tensor, setup):
     if setup.chunked_loss is None:
         outputs = model(input_ids=ids, labels=ids, use_cache=False)
         return outputs.loss, outputs
-    from course_lib.toolbox.chunked_loss import chunked_causal_lm_loss
 
     return chunked_causal_lm_loss(model, ids, ids, setup.chunked_loss), None
 
@@ -93,9 +73,6 @@ def toolbox_notes(setup, trace) -> tuple[list[str], dict]:
         notes.append(f"chunked loss: the output layer and the loss run {setup.chunked_loss} tokens at a time, each "
                      "chunk's logits recomputed in backward (lesson 7)")
     if setup.offload_activations:
-        from course_lib.measure import format_bytes
-        from course_lib.paging.policies import PCIE3_X16
-        from course_lib.toolbox.activation_offload import transfer_seconds
 
         seconds = transfer_seconds(trace.offloaded, trace.offloaded)
         detail.update(offload_bytes_each_way=trace.offloaded, offload_seconds_predicted=seconds)

@@ -6,16 +6,19 @@ from __future__ import annotations
 import copy
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from course_lib.checkpointing.apply import find_layer_stack
+from course_lib.cache import cached
+from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
+from course_lib.memory.compose import composed_trace
 from course_lib.memory.setup import PlanError, Setup, itemsize
+from course_lib.memory.states import model_states
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
+from course_lib.models import ModelSpec, build_model, supported_attention, transformers_config
 from course_lib.toolbox.activation_offload import HostOffload
-from course_lib.models import build_model, ModelSpec, supported_attention, transformers_config
 
 
 class _MetaTracer(LiveStorageTracker):
@@ -203,12 +206,16 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     """
     key = _trace_key(spec, setup, target)
     if key not in _TRACES:
-        from course_lib.memory.cache import cached_trace
-        from course_lib.memory.compose import composed_trace
-
         _TRACES[key] = cached_trace(key, lambda: composed_trace(spec, setup, target, _trace)
                                     or _trace(spec, setup, target))
     return _TRACES[key]
+
+
+def cached_trace(key: tuple, make) -> Trace:
+    """The trace for `key` from the disk cache (course_lib.cache), or `make()` kept there."""
+    names = [f.name for f in fields(Trace) if f.name != "by_position"]
+    return cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
+                  lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
 
 
 def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
@@ -224,7 +231,7 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
                     param.data = param.data.float()
     model.train()
     if setup.lora_rank:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # off the import path: peft imports transformers
 
         targets = setup.lora_targets if setup.lora_targets == "all-linear" else list(setup.lora_targets)
         with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
@@ -295,8 +302,6 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
 
     in_backward = None
     if setup.optimizer_in_backward:  # lesson 7: the step's temporaries of one tensor, then its gradient freed
-        from course_lib.memory.states import model_states
-
         in_backward = step_in_backward_hook(tracer, setup, model_states(spec, setup, cuda=target == "cuda")
                                             .state_itemsize, target == "cuda")
     for param in model.parameters():
@@ -305,7 +310,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             if in_backward is not None:
                 handles.append(param.register_post_accumulate_grad_hook(in_backward))
     ids = torch.zeros(setup.batch, setup.seq, dtype=torch.long, device="meta")
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # off the import path: transformers takes seconds to import
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the trace is ours: keep transformers' advice off the user's screen

@@ -1,12 +1,21 @@
-"""Paged optimizers on CUDA unified memory: a simulator true to the driver (lesson 4).
+"""Paged optimizers on CUDA unified memory: a simulator true to the driver, and the real thing on a
+CUDA GPU (lesson 4).
 
+The simulator, every number it returns *simulated*:
 - `policies`: the simulated GPU (`Hardware`, its inputs) and the driver's rules (`Policy`);
 - `trace`: what a training step does to memory, as events;
-- `simulator`: runs a trace (`simulate`), every number it returns *simulated*;
+- `simulator`: runs a trace (`simulate`); `results`: what it returns;
 - `regimes`: the lesson's scenarios (the three regimes, cost per GB, paging against offload);
 - `touches`: which memory a real step touches, measured.
 
-The public names of all five are importable from `course_lib.paging`.
+The real GPU side, measured:
+- `demo`: plain AdamW, bitsandbytes' 8-bit and paged optimizers and CPU offload on a GPU made small;
+- `virtual_gpu`: a small GPU inside a big one (`VirtualGPU`), `release_cuda_memory`;
+- `timeline`: when bitsandbytes prefetches and updates each parameter's state;
+- `cpu_offload`: `CPUOffloadAdamW`, manual offload as torchao does it;
+- `probe`: bitsandbytes' managed-memory calls, the link's rates, the driver's eviction order.
+
+The public names of all of them are importable from `course_lib.paging`.
 """
 
 from course_lib.measure import GiB, KiB, MiB, PHASES, format_bytes
@@ -17,10 +26,19 @@ from course_lib.paging.policies import (ALLOCATOR_ROUND, BNB_BLOCKSIZE, BNB_MIN_
 from course_lib.paging.regimes import (OffloadResult, RegimeResult, StrategyRow, bnb_estimate_ms,
                                        compare_strategies, evicted_per_step_cost, lesson_model, regimes,
                                        simulate_offload)
-from course_lib.paging.simulator import PhaseStats, Segment, SimulationResult, chunk_migrations, simulate
+from course_lib.paging.results import PhaseStats, Segment, SimulationResult
+from course_lib.paging.simulator import chunk_migrations, simulate
 from course_lib.paging.touches import TOUCH_CATEGORIES, Touch, measure_touches, touch_summary
 from course_lib.paging.trace import (OPS, Event, ParamSpec, StateTensor, TrainingSetup, activation_bytes_per_token,
                                      alloc, chunk_trace, compute, empty_cache, free, optimizer_state,
                                      params_from_module, prefetch, touch, training_trace, transformer_params)
+
+from course_lib.paging.cpu_offload import CPUOffloadAdamW
+from course_lib.paging.demo import (DEMO_OPTIMIZERS, MARGIN, DemoRun, StepRecord, demo_claims, demo_margins, demo_row,
+                                    demo_shape, isolated_runs, make_optimizer, mlp, mlp_setup, paging_demo,
+                                    run_training, runs_table, spike_plan, warm_up)
+from course_lib.paging.probe import eviction_order, measure_bandwidths
+from course_lib.paging.timeline import PrefetchTimeline, TimelineEntry
+from course_lib.paging.virtual_gpu import VirtualGPU, release_cuda_memory
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -15,16 +15,18 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
 from course_lib.device import synchronize
 from course_lib.measure import MiB
+from course_lib.paging.virtual_gpu import VirtualGPU
 
 CHUNK = 2 * MiB
 
 
 def managed_buffer(nbytes: int):
     """`nbytes` of managed memory as a uint8 CPU tensor over bitsandbytes' `cudaMallocManaged` pointer."""
-    import torch
-    import bitsandbytes.functional as F
+    import bitsandbytes.functional as F  # off the import path: bitsandbytes loads its native library
 
     if not torch.cuda.is_available():
         raise RuntimeError("managed memory needs a CUDA GPU")
@@ -39,7 +41,7 @@ def _view(buffer, start: int, nbytes: int):
 
 def gpu_touch(buffer, start: int = 0, nbytes: int | None = None) -> float:
     """Write the range on the GPU (bitsandbytes' fill kernel, faulting it in); seconds."""
-    import bitsandbytes.functional as F
+    import bitsandbytes.functional as F  # off the import path: bitsandbytes loads its native library
 
     view = _view(buffer, start, buffer.numel() - start if nbytes is None else nbytes)
     synchronize()
@@ -50,7 +52,7 @@ def gpu_touch(buffer, start: int = 0, nbytes: int | None = None) -> float:
 
 def gpu_prefetch(buffer, start: int = 0, nbytes: int | None = None) -> float:
     """`cudaMemPrefetchAsync` of the range to the GPU, then synchronize; seconds."""
-    import bitsandbytes.functional as F
+    import bitsandbytes.functional as F  # off the import path: bitsandbytes loads its native library
 
     view = _view(buffer, start, buffer.numel() - start if nbytes is None else nbytes)
     synchronize()
@@ -73,8 +75,6 @@ def measure_bandwidths(nbytes: int = 512 * MiB, repeats: int = 3) -> dict[str, f
     """Bytes per second, measured (lesson 4): pinned copies both ways; unified memory to the GPU by
     prefetch and by faults, and back to the host by CPU faults. bitsandbytes' docs put a prefetch at
     about half of the link."""
-    import torch
-
     if not torch.cuda.is_available():
         raise RuntimeError("measure_bandwidths needs a CUDA GPU")
 
@@ -111,14 +111,12 @@ def measure_bandwidths(nbytes: int = 512 * MiB, repeats: int = 3) -> dict[str, f
 def eviction_order(capacity_chunks: int = 64, extra_chunks: int = 16) -> dict:
     """Which chunks the driver evicts, measured (lesson 4, "allocation order or LRU?").
 
-    On a GPU made `capacity_chunks` 2 MB chunks big (`offload.VirtualGPU`), the chunks of one managed
+    On a GPU made `capacity_chunks` 2 MB chunks big (`virtual_gpu.VirtualGPU`), the chunks of one managed
     buffer of `capacity_chunks + extra_chunks` are written on the GPU in order; chunk 0 is written
     again halfway (an LRU would now keep it), which forces about `extra_chunks` evictions at the end.
     A one-byte host read of each chunk then takes microseconds when the chunk is still on the GPU (it
     faults back) and far less when it was evicted to the host. Allocation order evicts chunks 0, 1, ...;
     LRU evicts 1, 2, ... and keeps 0."""
-    from course_lib.offload import VirtualGPU
-
     n = capacity_chunks + extra_chunks
     gpu_touch(managed_buffer(CHUNK))            # load bitsandbytes' kernels before the GPU is made small
     with VirtualGPU(capacity_chunks * CHUNK):

@@ -9,6 +9,10 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
 from course_lib.measure import PHASES
 
 TOUCH_CATEGORIES = ("weights", "gradients", "optimizer state", "activations and temporaries")
@@ -28,9 +32,6 @@ def measure_touches(model, optimizer, loss_fn) -> list[Touch]:
     """Run one training step (forward, backward, `optimizer.step()`) and record, for every
     operator, the storages it reads or writes and what they are (lesson 4, "when is the state
     touched?"). Run a step first so that the optimizer's lazily created state exists."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
     raw: list[tuple[int, str, int, int]] = []
     ids = itertools.count()

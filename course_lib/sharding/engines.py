@@ -26,9 +26,12 @@ ZeRO-Offload's split) only means something with a GPU: `measuring.measure_offloa
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
 
-from course_lib.checkpointing.apply import find_layer_stack
+from course_lib.layers import find_layer_stack
 
 ENGINES = {
     "none": "DDP",
@@ -45,12 +48,10 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, dev
 
     The optimizer is torch's AdamW (foreach step, its default) in every stage (lesson 6). For FSDP2,
     `device` is the mesh's device type and `offload_policy` (e.g. CPUOffloadPolicy()) is passed on."""
-    import torch.distributed as dist
-
     if stage not in ENGINES:
         raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(ENGINES)}")
     if stage in ("none", "zero1"):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        # off the import path: torch.distributed.optim takes most of a second to import
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -58,7 +59,7 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, dev
         if stage == "none":
             return ddp, torch.optim.AdamW(ddp.parameters(), lr=lr)
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
-    from torch.distributed.device_mesh import init_device_mesh
+    # off the import path: torch.distributed.fsdp takes most of a second to import
     from torch.distributed.fsdp import fully_shard
 
     options = dict(mesh=init_device_mesh(device, (world_size,)), reshard_after_forward=stage == "zero3")

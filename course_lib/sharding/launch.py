@@ -11,6 +11,8 @@ imports torch again). A rank whose port was taken in the meantime is retried on 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import socket
@@ -20,6 +22,8 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -31,8 +35,6 @@ def free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, worker: Callable,
            args: tuple, backend: str) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):  # the loopback interface's name there (macOS: lo0, found by gloo)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -60,10 +62,6 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
     transformers once (`PRELOAD`), so that each rank and each later call starts in a fraction of a
     second instead of importing them again; the caller's own state (threads, tensors) is never forked.
     """
-    import multiprocessing
-    import multiprocessing.forkserver
-
-    import torch.multiprocessing as mp
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -82,8 +80,6 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
 
 def _run_once(worker: Callable, world_size: int, args: tuple, timeout_s: float, what: str, backend: str,
               method: str) -> list:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, timeout_s, worker, args, backend),
                                      nprocs=world_size, join=False, start_method=method)

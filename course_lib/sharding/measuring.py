@@ -164,6 +164,7 @@ def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
 
 
 def _offload_worker(rank: int, world_size: int, build, batch_size: int, seq: int) -> dict:
+    # off the import path: torch.distributed.fsdp takes most of a second to import
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     device = torch.device("cuda", rank)

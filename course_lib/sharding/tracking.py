@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from course_lib.measure import LiveStorageTracker
@@ -39,6 +40,7 @@ class RankTracker(LiveStorageTracker):
         super().watch(tensor)
 
     def __enter__(self):
+        # off the import path: torch.distributed.fsdp takes most of a second to import
         from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
         modules = {"_fsdp_param": _fsdp_param, "_fsdp_param_group": _fsdp_param_group}
@@ -104,8 +106,6 @@ class CommCounter:
     @contextlib.contextmanager
     def counting(self):
         """Count every collective issued through `torch.distributed` inside the block."""
-        import torch.distributed as dist
-
         saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
         def wrap(name, original):

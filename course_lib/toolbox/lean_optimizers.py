@@ -20,14 +20,14 @@ from course_lib.measure import optimizer_state_tensors, storage_bytes, storage_k
 
 
 def _adafactor(params):
-    from transformers.optimization import Adafactor
+    from transformers.optimization import Adafactor  # off the import path: transformers takes seconds to import
 
     # the Trainer's optim="adafactor": a fixed learning rate (transformers/trainer.py)
     return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
 def _adamw8bit(params):
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # off the import path: bitsandbytes loads its native library
 
     return bnb.optim.AdamW8bit(params, lr=1e-3)
 

@@ -1,5 +1,6 @@
 """Configs, traces and parameter lists kept on disk between runs of `course-lib plan` (lesson 1, "the
-planner").
+planner"). Each kind's reader and writer live with its type: `models.cached_params`,
+`memory.trace.cached_trace`, `model_config.read_config`.
 
 A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
 and the tracer's own code; a parameter list only on the config and the libraries; a config
@@ -18,11 +19,9 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, fields
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-
 
 
 def cache_dir() -> Path | None:
@@ -35,7 +34,7 @@ def cache_dir() -> Path | None:
 
 @lru_cache(maxsize=1)
 def _fingerprint() -> str:
-    package = Path(__file__).parents[1]
+    package = Path(__file__).parent
     digest = hashlib.sha256()
     for source in sorted(package.rglob("*.py")):  # course_lib's code: the trace runs the tracker, the toolbox, ...
         digest.update(source.read_bytes())
@@ -47,7 +46,8 @@ def _fingerprint() -> str:
     return digest.hexdigest()
 
 
-def _cached(kind: str, key: str, make: Callable, to_json: Callable, from_json: Callable):
+def cached(kind: str, key: str, make: Callable, to_json: Callable, from_json: Callable):
+    """`from_json` of what is kept on disk for (kind, key), or `make()` kept there as `to_json` of it."""
     folder = cache_dir()
     if folder is None:
         return make()
@@ -67,24 +67,6 @@ def _cached(kind: str, key: str, make: Callable, to_json: Callable, from_json: C
     return value
 
 
-def cached_trace(key: tuple, make: Callable):
-    """The trace (memory.Trace) for `key` from disk, or `make()` stored for next time."""
-    from course_lib.memory.trace import Trace
-
-    names = [f.name for f in fields(Trace) if f.name != "by_position"]
-    return _cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
-                   lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
-
-
 def cached_answer(kind: str, key: str, make: Callable):
     """A plain JSON value (e.g. whether a model class supports SDPA) from disk, or `make()` stored."""
-    return _cached(kind, key, make, lambda value: value, lambda value: value)
-
-
-def cached_params(config_json: str, make: Callable) -> tuple:
-    """The parameter list (models.ParamInfo) of a config from disk, or `make()` stored for next time."""
-    from course_lib.models import ParamInfo
-
-    return _cached("params", config_json, make, lambda params: [asdict(p) for p in params],
-                   lambda data: tuple(ParamInfo(p["name"], tuple(p["shape"]), p["module"], p["is_lm_head"])
-                                      for p in data))
+    return cached(kind, key, make, lambda value: value, lambda value: value)

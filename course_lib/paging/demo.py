@@ -1,16 +1,10 @@
-"""Paged optimizers and manual offload on a real CUDA GPU (lesson 4, "the real thing").
+"""Paged optimizers and manual offload on a real CUDA GPU: the demo (lesson 4, "the real thing").
 
-- `CPUOffloadAdamW`: whole-tensor CPU offload of AdamW in the manner of torchao's
-  `CPUOffloadOptimizer` (torchao prototype/low_bit_optim/cpu_offload.py): gradients copied to pinned
-  host memory in post-accumulate-grad hooks, the step on the CPU, parameters copied back. It runs on
-  CPU too (there it is plain AdamW on fp32 copies), which is how it is tested.
-- `VirtualGPU`: makes a big GPU behave like a small one: a balloon of ordinary memory leaves
-  `capacity` bytes free (so unified memory is really short), and
-  `torch.cuda.set_per_process_memory_fraction` caps PyTorch's allocator at the same point.
-- `PrefetchTimeline`: records, per parameter, when bitsandbytes' prefetch and update ran.
-- `paging_demo`: plain AdamW runs out of memory; bitsandbytes' AdamW8bit (unpaged) and PagedAdamW
-  (32-bit and 8-bit) complete, as does CPU offload; step times and memory (allocated, reserved, used
-  as nvidia-smi shows it, and what lies outside PyTorch's allocator).
+`paging_demo`: plain AdamW runs out of memory; bitsandbytes' AdamW8bit (unpaged) and PagedAdamW
+(32-bit and 8-bit) complete, as does CPU offload (`cpu_offload.CPUOffloadAdamW`); step times and
+memory (allocated, reserved, used as nvidia-smi shows it, and what lies outside PyTorch's allocator),
+on a GPU made small by `virtual_gpu.VirtualGPU`, with `timeline.PrefetchTimeline` for the paged rows.
+`demo_margins` and `demo_claims` check with the simulator that every outcome is clear of the capacity.
 
 bitsandbytes never frees paged state and cannot move it off the GPU without ending the process
 (`course_lib.isolate`): every demo row runs in its own process.
@@ -18,20 +12,23 @@ bitsandbytes never frees paged state and cannot move it off the GPU without endi
 
 from __future__ import annotations
 
-import gc
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from course_lib import isolate
-from course_lib.cpu_offload import CPUOffloadAdamW
 from course_lib.checkpointing import mlp_stack
 from course_lib.device import synchronize
-from course_lib.measure import GiB, MiB
-from course_lib.paging import params_from_module, simulate, simulate_offload, training_trace, TrainingSetup
-from course_lib.paging.probe import measure_bandwidths  # noqa: F401  (lesson 4 calls it from here)
+from course_lib.measure import GiB
+from course_lib.paging.cpu_offload import CPUOffloadAdamW
+from course_lib.paging.policies import Hardware
+from course_lib.paging.regimes import simulate_offload
+from course_lib.paging.simulator import simulate
+from course_lib.paging.timeline import PrefetchTimeline, TimelineEntry
+from course_lib.paging.trace import TrainingSetup, params_from_module, training_trace
+from course_lib.paging.virtual_gpu import VirtualGPU, release_cuda_memory
 
 DEMO_OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "cpu_offload_adamw")
 MARGIN = 0.15   # every OOM / no-OOM outcome of the demo is at least this far from the capacity
@@ -44,7 +41,7 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 
         return torch.optim.AdamW(params, lr=lr)
     if name == "cpu_offload_adamw":
         return CPUOffloadAdamW(params, lr=lr)
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # imported only when asked for: it loads its CUDA library
 
     makers = {"paged_adamw_32bit": bnb.optim.PagedAdamW32bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
               "adamw_32bit": bnb.optim.AdamW32bit, "adamw_8bit": bnb.optim.AdamW8bit}
@@ -52,133 +49,6 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 
         raise ValueError(f"unknown optimizer {name!r}: use one of {('adamw', 'cpu_offload_adamw', *makers)}")
     return makers[name](params, lr=lr)
 
-
-def release_cuda_memory() -> None:
-    """Collect the garbage and return the caching allocator's cached blocks (lessons 4 and 5). Paged
-    state is not given back by this or anything else in the process: run what creates it through
-    `course_lib.isolate.run`."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# --------------------------------------------------------------------------------------------
-# A small GPU inside a big one
-# --------------------------------------------------------------------------------------------
-
-class VirtualGPU:
-    """Make the GPU look `capacity` bytes big for this process (lesson 4).
-
-    A balloon of ordinary (unevictable) memory takes everything else, so unified memory really runs
-    short at `capacity`; `torch.cuda.set_per_process_memory_fraction` caps PyTorch's allocator there
-    too, so plain AdamW fails the way it would on the small GPU. `used()` is what nvidia-smi would
-    show on the small GPU (everything in use on the device minus the balloon: context, PyTorch's
-    reserve, resident managed memory).
-    """
-
-    def __init__(self, capacity: int, device: int = 0, chunk: int = 4 * GiB) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        if not torch.cuda.is_available():
-            raise RuntimeError("VirtualGPU needs a CUDA GPU")
-        self.capacity, self.device, self.chunk = int(capacity), torch.device("cuda", device), chunk
-        self.balloon: list[torch.Tensor] = []
-        self.balloon_bytes = 0
-
-    def __enter__(self) -> VirtualGPU:
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        if free < self.capacity:
-            raise RuntimeError(f"only {free / GiB:.2f} GiB free: cannot emulate {self.capacity / GiB:.2f} GiB")
-        target = free - self.capacity
-        while self.balloon_bytes < target:
-            n = min(self.chunk, target - self.balloon_bytes)
-            n -= n % (2 * MiB)
-            if n <= 0:
-                break
-            self.balloon.append(torch.empty(n, dtype=torch.uint8, device=self.device))
-            self.balloon_bytes += n
-        reserved = torch.cuda.memory_reserved(self.device)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (reserved + self.capacity) / total), self.device)
-        self.total = total
-        self.baseline = self.used()  # CUDA context and whatever else was there before
-        self.outside_baseline = self.outside_allocator()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-        self.balloon.clear()
-        self.balloon_bytes = 0
-        gc.collect()
-        torch.cuda.empty_cache()
-
-    def used(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free - self.balloon_bytes
-
-    def reserved(self) -> int:
-        return torch.cuda.memory_reserved(self.device) - self.balloon_bytes
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) - self.balloon_bytes
-
-    def outside_allocator(self) -> int:
-        """Device memory in use that PyTorch's allocator did not reserve: the CUDA context, library
-        modules, and resident managed (paged) memory."""
-        return self.used() - self.reserved()
-
-
-# --------------------------------------------------------------------------------------------
-# Timing what bitsandbytes does inside step()
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class TimelineEntry:
-    """One parameter's prefetch or update inside `optimizer.step()`: seconds from the step's start (lesson 4)."""
-
-    kind: str
-    index: int
-    start: float
-    end: float
-    state_bytes: int
-
-
-class PrefetchTimeline:
-    """Record when bitsandbytes prefetches each parameter's state and when it updates it
-    (lesson 4, "prefetch in a timeline"). It wraps the optimizer's `prefetch_state` and
-    `update_step` and synchronizes around each, so the times are what the GPU spent."""
-
-    def __init__(self, optimizer) -> None:
-        if not hasattr(optimizer, "prefetch_state") or not hasattr(optimizer, "update_step"):
-            raise TypeError("PrefetchTimeline needs a bitsandbytes optimizer (prefetch_state, update_step)")
-        self.optimizer = optimizer
-        self.entries: list[TimelineEntry] = []
-        self.t0 = time.perf_counter()
-        self._index: dict[int, int] = {}
-        prefetch, update = optimizer.prefetch_state, optimizer.update_step
-
-        def timed(kind: str, fn: Callable, p: torch.Tensor, *args) -> None:
-            synchronize()
-            start = time.perf_counter()
-            fn(p, *args) if kind == "prefetch" else fn(*args)
-            synchronize()
-            state = optimizer.state.get(p, {})
-            nbytes = sum(t.numel() * t.element_size() for t in state.values()
-                         if isinstance(t, torch.Tensor) and getattr(t, "is_paged", False))
-            index = self._index.setdefault(id(p), len(self._index))
-            self.entries.append(TimelineEntry(kind, index, start - self.t0, time.perf_counter() - self.t0, nbytes))
-
-        optimizer.prefetch_state = lambda p: timed("prefetch", prefetch, p)
-        optimizer.update_step = lambda group, p, gindex, pindex: timed("update", update, p, group, p, gindex, pindex)
-
-    def start_step(self) -> None:
-        self.entries.clear()
-        self.t0 = time.perf_counter()
-
-
-# --------------------------------------------------------------------------------------------
-# The demo
-# --------------------------------------------------------------------------------------------
 
 def mlp(hidden: int, layers: int, device: str | torch.device = "cpu") -> torch.nn.Sequential:
     """Lesson 3's `mlp_stack` of `layers` Linear(hidden, hidden) + ReLU in fp32, on `device`: parameters in
@@ -213,8 +83,6 @@ def demo_margins(capacity: int, shape: dict[str, int] | None = None,
     is PyTorch's peak reserve (blocks rounded, foreach temporaries), "total" adds the resident paged
     state, "activations" is their share. Whether the allocator reuses the activations' freed blocks
     for later requests depends on their sizes, so a claim must hold either way (`demo_claims`)."""
-    from course_lib.paging import Hardware
-
     shape = shape or demo_shape(capacity)
     tokens = tokens or shape["tokens"]
     huge = Hardware.t4().with_memory(1 << 50)
@@ -387,7 +255,7 @@ def demo_row(optimizer: str, shape: dict[str, int], steps: int, capacity: int | 
 def isolated_runs(rows: Sequence[dict], timeout: float | None = None) -> list[dict]:
     """`demo_row(**row)` for each row, each in a fresh process (lesson 4): paged state is never freed, so
     no row sees another's. Each result carries its process id ("pid")."""
-    return [isolate.run("course_lib.offload:demo_row", timeout=timeout, **row) for row in rows]
+    return [isolate.run("course_lib.paging.demo:demo_row", timeout=timeout, **row) for row in rows]
 
 
 def paging_demo(capacity: int = 4 * GiB, steps: int = 5, optimizers: Sequence[str] = DEMO_OPTIMIZERS,

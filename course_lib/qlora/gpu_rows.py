@@ -2,7 +2,7 @@
 
 A paged optimizer's state is never freed (`course_lib.isolate`), so every ablation row, the Trainer
 run and each `expandable_segments` setting run in a fresh process. The parent saves the random
-checkpoint once (`qlora._checkpoint_dir`) and never touches the GPU itself; each child loads it with
+checkpoint once (`building.checkpoint_dir`) and never touches the GPU itself; each child loads it with
 `from_pretrained`. `emulate_t4` runs the T4's recipe on a larger GPU; `matmul_rates` measures why
 the T4 recipe is fp16: sm_75 has fp16 tensor cores and none for bf16.
 """
@@ -19,8 +19,12 @@ import torch
 from course_lib import isolate
 from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
 from course_lib.memory import CUDA_CONTEXT_BYTES, GPU, get_gpu
-from course_lib.qlora import (Recipe, Row, _checkpoint_dir, _quiet, build_model, counting_dataset, measure_recipe,
-                              predict, recipe_step, train)
+from course_lib.checkpointing import assert_gradients_flow
+from course_lib.qlora.building import build_model, checkpoint_dir, counting_dataset, llama_1b_config, quiet, \
+    tiny_llama_config
+from course_lib.qlora.measuring import Row, measure_recipe, predict, recipe_step
+from course_lib.qlora.recipe import Recipe
+from course_lib.qlora.training import train
 
 
 def emulate_t4(device: str | torch.device = "cuda") -> tuple[DtypePolicy, GPU]:
@@ -39,7 +43,7 @@ def emulate_t4(device: str | torch.device = "cuda") -> tuple[DtypePolicy, GPU]:
 
 
 def _load(config_dir: str, device: str, as_t4: bool):
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers, in the child only
 
     config = AutoConfig.from_pretrained(config_dir)
     config.use_cache = False
@@ -60,10 +64,10 @@ def isolated_rows(config, cases: list[tuple[str, Recipe]], device: str | torch.d
                   timed_steps: int = 1, as_t4: bool = False, progress=None) -> list[Row]:
     """`measure_recipe` of each (label, recipe) in a fresh process, from one saved checkpoint (lesson 5).
     A child that dies gives a row whose status says so, with the planner's prediction beside it."""
-    folder = str(_checkpoint_dir(config))
+    folder = str(checkpoint_dir(config))
     rows = []
     for label, recipe in cases:
-        out = isolate.run("course_lib.qlora_gpu:measure_row", config_dir=folder, recipe=asdict(recipe),
+        out = isolate.run("course_lib.qlora.gpu_rows:measure_row", config_dir=folder, recipe=asdict(recipe),
                           device=str(device), timed_steps=timed_steps, label=label, as_t4=as_t4)
         if out.get("status") == "ok":
             fields = out["row"]
@@ -82,8 +86,6 @@ def train_row(config_dir: str, seq: int = 128, accum: int = 4, max_steps: int = 
               as_t4: bool = False) -> dict:
     """A short Trainer run in a child process: the losses, the seconds, and whether every LoRA
     parameter gets a gradient (lesson 3's `assert_gradients_flow`)."""
-    from course_lib.checkpointing import assert_gradients_flow
-
     config, policy, _ = _load(config_dir, "cuda", as_t4)
     result = train(config, Recipe(seq=seq, accum=accum), counting_dataset(64, seq, 16), max_steps=max_steps,
                    learning_rate=learning_rate, device="cuda", policy=policy, weights=config_dir)
@@ -103,7 +105,7 @@ def expandable_row(config_dir: str, seq: int = 512, accum: int = 4, as_t4: bool 
     config, policy, _ = _load(config_dir, "cuda", as_t4)
     policy = policy or dtype_policy(torch.device("cuda"))
     recipe = Recipe(seq=seq, accum=accum)
-    with _quiet():
+    with quiet():
         model = build_model(config, recipe, "cuda", policy, weights=config_dir)
         ids = torch.randint(0, config.vocab_size, (recipe.batch, recipe.seq), device="cuda")
         _, step = recipe_step(model, recipe, policy, ids)
@@ -123,15 +125,13 @@ def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4
     """The training step's peak allocated and reserved bytes with PYTORCH_CUDA_ALLOC_CONF=
     expandable_segments:False and :True, each in a fresh process (the setting is read at the first
     CUDA call), from one saved checkpoint; CUDA only (lesson 5). A child that fails reports why."""
-    from course_lib import qlora
-
     if not torch.cuda.is_available():
         raise RuntimeError("expandable_segments is a CUDA allocator setting: this needs a CUDA GPU")
     if model not in ("1b", "tiny"):
         raise ValueError(f"model must be '1b' or 'tiny', got {model!r}")
-    config = qlora.llama_1b_config() if model == "1b" else qlora.tiny_llama_config()
-    folder = str(_checkpoint_dir(config))
-    return {value: isolate.run("course_lib.qlora_gpu:expandable_row", config_dir=folder, seq=seq, accum=accum,
+    config = llama_1b_config() if model == "1b" else tiny_llama_config()
+    folder = str(checkpoint_dir(config))
+    return {value: isolate.run("course_lib.qlora.gpu_rows:expandable_row", config_dir=folder, seq=seq, accum=accum,
                                as_t4=as_t4, env={"PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{value}"})
             for value in ("False", "True")}
 
@@ -156,7 +156,3 @@ def matmul_rates(n: int = 4096, repeats: int = 20) -> dict[str, float]:
         rates[name] = 2 * n**3 / statistics.median(times) / 1e12
         del a, b
     return rates
-
-
-__all__ = ["emulate_t4", "expandable_row", "expandable_segments_effect", "isolated_rows", "matmul_rates",
-           "measure_row", "train_row"]

@@ -1,0 +1,225 @@
+"""The prediction for one setup: the bytes of one training step by category, and the notes that
+explain them (lesson 1, "the planner")."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from course_lib.measure import GiB, format_bytes
+from course_lib.memory.activations import step_extra
+from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, fit_verdict
+from course_lib.memory.setup import CATEGORIES, PlanError, Setup
+from course_lib.memory.sharded import sharded_values
+from course_lib.memory.states import model_states, target_match
+from course_lib.memory.toolbox import toolbox_notes
+from course_lib.memory.trace import trace_step
+from course_lib.models import config_class_name, model_spec, ModelSpec, supported_attention
+
+
+@dataclass
+class Trick:
+    """One step of "what makes it fit": the change, what it saves, the total after it."""
+
+    name: str
+    saves: int
+    total_after: int
+    fits_after: bool
+    setup: Setup = field(repr=False)
+
+
+@dataclass
+class Plan:
+    """Predicted memory of one training step, by category, in bytes (lesson 1).
+
+    `bytes["total"]` is the predicted peak: the model states plus the most that the step
+    (activations, temporaries of the backward pass and of the optimizer step) adds on top of them,
+    plus the CUDA context on a GPU target. `activations_known` is False for a raw parameter count.
+    """
+
+    model: str
+    setup: Setup
+    n_params: int
+    trainable_params: int
+    bytes: dict[str, int]
+    activations_known: bool
+    detail: dict[str, int | float | str] = field(default_factory=dict)
+    gpu: GPU | None = None
+    tricks: list[Trick] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.bytes["total"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu is None else self.total <= self.gpu.memory_bytes
+
+    def verdict(self) -> str:
+        """One sentence: fits or not, and by how much."""
+        return fit_verdict(self.total, self.gpu)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able numbers: bytes by category (integers), the setup, the verdict, the tricks."""
+        return {
+            "model": self.model, "n_params": self.n_params, "trainable_params": self.trainable_params,
+            "setup": asdict(self.setup), "bytes": dict(self.bytes),
+            "activations_known": self.activations_known, "detail": dict(self.detail),
+            "gpu": None if self.gpu is None else {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
+            "fits": self.fits, "verdict": self.verdict(),
+            "what_makes_it_fit": [{"trick": t.name, "saves_bytes": t.saves, "total_after": t.total_after,
+                                   "fits_after": t.fits_after} for t in self.tricks],
+            "notes": list(self.notes),
+        }
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(category, bytes); `sharding_buffers` (before the total) only in a plan with --gpus (lesson 6)."""
+        shown = [c for c in CATEGORIES if c != "total"] + ["sharding_buffers"] * ("sharding_buffers" in self.bytes)
+        return [(c, self.bytes[c]) for c in shown + ["total"]]
+
+    def __str__(self) -> str:
+        head = self.model if self.model.endswith("parameters") else f"{self.model}: {self.n_params:,} parameters"
+        lines = [f"{head} ({self.trainable_params:,} trained), "
+                 f"{self.setup.precision}, {self.setup.optimizer}"
+                 + (f", LoRA r={self.setup.lora_rank}" if self.setup.lora_rank else "")
+                 + (f" dropout {self.setup.lora_dropout:g}" if self.setup.lora_dropout else "")
+                 + (f", {self.setup.quant}" if self.setup.quant != "none" else "")
+                 + f", batch {self.setup.batch} x seq {self.setup.seq}"
+                 + (f" x accum {self.setup.accum}" if self.setup.accum > 1 else "")
+                 + (f", checkpointing {self.setup.checkpointing}" if self.setup.checkpointing != "none" else "")
+                 + (f", {self.setup.gpus} GPUs, shard {self.setup.shard} (one GPU's share)"
+                    if self.setup.gpus is not None else "")]
+        for name, value in self.rows():
+            unknown = name in ("activations", "sharding_buffers") and not self.activations_known
+            shown = "unknown (no model shapes)" if unknown \
+                else f"{value / GiB:10.2f} GiB"
+            lines.append(f"  {name:<21} {shown}")
+        if self.setup.gpus is not None:
+            lines.append(f"  model states per GPU: {self.detail['paper_model_states'] / 1e9:.3f} GB as the ZeRO paper "
+                         "counts them (10^9 bytes)" + (f"; FSDP2's zero2 stand-in shards the weights too: "
+                                                       f"{self.detail['engine_model_states'] / 1e9:.3f} GB"
+                                                       if self.setup.shard == "zero2" and self.activations_known else ""))
+        lines.append(self.verdict())
+        if self.tricks:
+            lines.append("What makes it fit, in order (each on top of the ones before):")
+            width = max(len(trick.name) for trick in self.tricks)
+            for trick in self.tricks:
+                lines.append(f"  {trick.name:<{width}} saves {trick.saves / GiB:7.2f} GiB -> "
+                             f"{trick.total_after / GiB:7.2f} GiB{'  fits' if trick.fits_after else ''}")
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _resolve(model) -> tuple[ModelSpec | None, int, str]:
+    if isinstance(model, ModelSpec):
+        return model, model.n_params, model.name
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        if not math.isfinite(model) or model <= 0 or model != int(model):
+            raise PlanError(f"--params must be a positive whole number of parameters, got {model!r}")
+        return None, int(model), f"{int(model):,} parameters"
+    spec = model_spec(model)
+    return spec, spec.n_params, spec.name
+
+
+def predict(model, setup: Setup, card: GPU | None) -> Plan:
+    """The plan of one validated setup, without "what makes it fit" (`planner.plan` adds it)."""
+    spec, n_params, name = _resolve(model)
+    warned = _check_setup_for(spec, name, setup)
+    cuda = card is not None
+    if setup.precision in ("bf16", "mixed-bf16") and card is not None and not card.bf16:
+        raise PlanError(f"{card.name} (compute capability {card.compute_capability[0]}."
+                        f"{card.compute_capability[1]}) has no bf16 hardware: use fp16 or mixed-fp16")
+    if setup.quant != "none":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise PlanError(f"--quant {setup.quant} needs bitsandbytes, which is not importable here: "
+                            "pip install bitsandbytes") from None
+    states = model_states(spec, setup, n_params, cuda=cuda)
+    if setup.optimizer_in_backward:  # lesson 7: each gradient is freed in backward, right after its update
+        states = replace(states, gradients=0)
+    base = states.weights + states.optimizer_state + states.master_weights + states.quantization
+    notes: list[str] = warned
+    detail: dict[str, int | float | str] = {}
+    temporaries = 0
+    trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
+    if spec is None:
+        extra = 0
+        notes.append("activations unknown: only a parameter count was given (name a model or a config.json "
+                     "for activations and the optimizer step's temporaries)")
+    else:
+        extra, detail = step_extra(spec, setup, states, trace, "cuda" if cuda else "cpu")
+        temporaries = detail.pop("optimizer_temporaries_over_activations")
+        extra -= temporaries
+        if detail["autocast_copies"]:
+            notes.append(f"{setup.precision} autocast re-casts the fp32 frozen weights that prepare_model_for_kbit_training "
+                         f"made (the output layer) at every call: {format_bytes(detail['autocast_copies'])} of 16-bit "
+                         "copies live from its forward to its backward")
+        if supported_attention(spec.config, setup.attention) != setup.attention:
+            notes.append(f"attention: eager, because transformers' {config_class_name(spec.config).replace('Config', '')} "
+                         f"does not support {setup.attention} (eager stores the s x s attention scores)")
+        if setup.checkpointing != "none":
+            notes.append(f"checkpointing {setup.checkpointing}: recomputes {detail['recompute_fraction']:.0%} "
+                         "of one forward of the layers (lesson 3's cost model)")
+    overhead = CUDA_CONTEXT_BYTES if cuda else 0
+    total = base + states.gradients + extra + temporaries + overhead
+    values = {"weights": states.weights, "gradients": states.gradients, "optimizer_state": states.optimizer_state,
+              "master_weights": states.master_weights, "quantization": states.quantization,
+              "activations": extra, "optimizer_temporaries": temporaries, "overhead": overhead, "total": total}
+    if cuda:
+        notes.append(f"overhead: CUDA context and libraries, about {format_bytes(CUDA_CONTEXT_BYTES)} "
+                     "(300 to 700 MB, docs/references.md#pytorch-issue-28113-memory-used-when-cuda-starts), "
+                     "not seen by torch.cuda.memory_allocated")
+    if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None:  # one GPU: all of sqrt(v)
+        notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
+                     f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
+                     f"(optimizer_temporaries: what it adds over the activations' peak); "
+                     "fused=True (Trainer's adamw_torch_fused) avoids it")
+    if spec is not None:
+        notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
+                     "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
+                     "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")
+    if setup.optimizer.startswith("paged"):
+        notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
+                     "(lesson 4), at a cost in time")
+    if spec is not None:
+        more_notes, more_detail = toolbox_notes(setup, trace)
+        notes += more_notes
+        detail.update(more_detail)
+    if setup.accum > 1:
+        notes.append(f"effective batch {setup.batch * setup.accum} = micro-batch {setup.batch} x {setup.accum} "
+                     "accumulation steps; gradients stay allocated during the micro-batches")
+    if setup.gpus is not None:
+        values, shard_detail, shard_notes = sharded_values(spec, setup, values, trace,
+                                                           [math.prod(s) for s in states.trainable_shapes],
+                                                           detail.get("optimizer_step_temporaries", 0))
+        detail.update(shard_detail)
+        notes += shard_notes
+    return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
+
+
+SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop", "chunked_loss", "offload_activations",
+                 "lora_dropout")
+
+
+def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[str]:
+    """PlanError for a setup this model cannot have (options a bare count cannot use, a LoRA rank
+    beyond every layer it adapts); a warning for a sequence beyond the model's positions (lesson 1)."""
+    if spec is None:
+        used = [f"--{option.replace('_', '-')}" for option in SHAPE_OPTIONS
+                if getattr(setup, option) != getattr(Setup(), option)]
+        if used:
+            raise PlanError(f"{', '.join(used)} cannot change a plan from --params alone (no layer shapes, no "
+                            "activations): name a model or a config.json to use them")
+        return []
+    if setup.lora_rank:
+        widest = max((min(info.shape) for info in spec.params if target_match(info, setup.lora_targets)), default=0)
+        if setup.lora_rank > widest > 0:
+            raise PlanError(f"lora rank {setup.lora_rank} is above the rank of every layer it adapts (at most "
+                            f"{widest}): a rank-r adapter costs r x (in + out) values per layer; use r <= {widest}")
+    positions = getattr(spec.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and setup.seq > positions:
+        return [f"WARNING: seq {setup.seq} is beyond {name}'s {positions} positions (max_position_embeddings): "
+                "the model as configured cannot train on it; this plans it as if it could (for a longer context, "
+                "raise max_position_embeddings in a saved config.json and give that path)"]
+    return []

@@ -1,0 +1,58 @@
+"""The ablation: each trick of the recipe switched off in turn, then all off, measured and predicted
+(lesson 5, "what each trick buys")."""
+
+from __future__ import annotations
+
+import torch
+
+from course_lib.device import DtypePolicy
+from course_lib.measure import format_bytes
+from course_lib.memory import GPU
+from course_lib.qlora.gpu_rows import isolated_rows
+from course_lib.qlora.measuring import Row, measure_recipe
+from course_lib.qlora.recipe import Recipe
+
+
+def ablation(config, recipe: Recipe | None = None, device: str | torch.device = "cpu", *,
+             timed_steps: int = 1, policy: DtypePolicy | None = None, gpu: GPU | None = None,
+             isolate: bool | None = None, as_t4: bool = False, progress=None) -> list[Row]:
+    """Each trick switched off in turn, then all off, measured and predicted (lesson 5, "what each
+    trick buys"). `policy` and `gpu` as in `measure_recipe`.
+
+    `isolate` (the default on CUDA) measures each row in its own process from one checkpoint saved
+    once: paged optimizer state is never freed, so rows in one process would see each other's. There
+    `as_t4` runs each row under `emulate_t4` (policy and gpu are then the child's, not arguments).
+    `progress(rows)` is called with the rows so far after each isolated row (to save them)."""
+    recipe = (recipe or Recipe()).validate()
+    device = torch.device(device)
+    cases = [("all tricks on", recipe)]
+    names = {"nf4": "no 4-bit base (16/32-bit base)", "checkpointing": "no checkpointing",
+             "accumulation": f"no accumulation (batch {recipe.effective_batch})",
+             "optimizer": "32-bit AdamW, not paged 8-bit", "prepare_kbit": "no prepare_model_for_kbit_training",
+             "lora": "no LoRA (full fine-tune, no NF4)"}
+    for trick in ("nf4", "prepare_kbit", "checkpointing", "accumulation", "optimizer", "lora"):
+        off = recipe.without(trick)
+        if off != recipe:
+            cases.append((names[trick], off))
+    cases.append(("all tricks off", recipe.all_off()))
+    if isolate if isolate is not None else device.type == "cuda":
+        if policy is not None or gpu is not None:
+            raise ValueError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
+        return isolated_rows(config, cases, device, timed_steps=timed_steps, as_t4=as_t4, progress=progress)
+    return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
+            for label, r in cases]
+
+
+def format_ablation(rows: list[Row]) -> str:
+    """The ablation as a text table: measured and predicted peak, the error, the step time."""
+    head = rows[0].measured_peak or 1 if rows else 1
+    width = max(len(r.label) for r in rows)
+    lines = [f"{'configuration':<{width}}  {'measured':>10}  {'predicted':>10}  {'error':>6}  "
+             f"{'x all-on':>8}  {'step ms':>8}"]
+    for r in rows:
+        if r.measured_peak is None:
+            lines.append(f"{r.label:<{width}}  {'-':>10}  {format_bytes(r.predicted_peak):>10}  ({r.status})")
+            continue
+        lines.append(f"{r.label:<{width}}  {format_bytes(r.measured_peak):>10}  {format_bytes(r.predicted_peak):>10}"
+                     f"  {r.error:>+6.1%}  {r.measured_peak / head:>8.2f}  {'-' if r.step_ms is None else f'{r.step_ms:.0f}':>8}")
+    return "\n".join(lines)
