@@ -52,7 +52,7 @@ def _grade(args: argparse.Namespace) -> int:
     from course_lib.exercises import grade
 
     return grade(args.notebooks, args.csv, reference_dir=args.reference, cell_timeout=args.timeout,
-                 notebook_timeout=args.notebook_timeout, jobs=args.jobs)
+                 notebook_timeout=args.notebook_timeout, jobs=args.jobs, only_errors=args.only_errors)
 
 
 def _positive(kind: type):
@@ -110,8 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the longest a cell may run (default 300)")
     grade.add_argument("--notebook-timeout", type=_positive(float), default=1800, metavar="SECONDS",
                        help="the longest a whole notebook may run, once its kernel is up (default 1800)")
-    grade.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
-                       help="grade N notebooks at once (default 1), each in its own kernel")
+    grade.add_argument("--jobs", type=_positive(int), metavar="N",
+                       help="grade N notebooks at once, each in its own kernel (default: what this machine can "
+                            "run, by its CPU cores or its available memory, whichever binds)")
+    grade.add_argument("--only-errors", action="store_true",
+                       help="grade again only the notebooks whose rows in the --csv gradebook say ERROR (the "
+                            "grader could not start a kernel), and put their new rows in its place")
     grade.set_defaults(run=_grade)
 
     kernelspec = commands.add_parser("kernelspec", help="give notebooks the kernel spec JupyterLab writes, so that "

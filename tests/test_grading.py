@@ -2,15 +2,21 @@
 "Exercises and grading"). The runs use lesson 1's exercise, the quickest, and a short --timeout."""
 
 import csv
+import importlib
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
 
 from course_lib.exercises import METADATA, identify, load_references, make_exercise, restore, run_notebook
+from course_lib.exercises import run as runner
 from course_lib.exercises.restore import FRESH_CHECKS
+
+grading = importlib.import_module("course_lib.exercises.grade")  # the module: the package's `grade` is its function
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -211,9 +217,111 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     (["--jobs", "two"], "'two' is not a number above zero"),
     (["--csv", "."], ".: a folder; give the gradebook a file name"),
     (["--reference", "nowhere"], "nowhere: no such folder to take the check cells from"),
+    (["--only-errors"], "--only-errors grades again the ERROR rows of a gradebook: give it with --csv FILE"),
+    (["--only-errors", "--csv", "old.csv"], "old.csv: cannot read the gradebook (No such file or directory)"),
 ])
 def test_bad_grading_options_are_one_clear_line(tmp_path, args, says):
     result = subprocess.run([COURSE_LIB, "grade", str(EXERCISE), *args], capture_output=True, text=True, cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# --- a busy machine: a kernel that does not start is the grader's problem, never the learner's FAIL ---
+
+@pytest.fixture
+def ports_taken(monkeypatch):
+    """The grader's kernel manager, but the starts numbered in `fail` (1 = the first) lose their shell
+    port between choosing it and the kernel binding it, the race of kernels started together: those
+    kernels die before they reply to kernel_info. `starts` counts the starts."""
+    sockets = []
+
+    class PortTaken(runner._ThisPythonsKernel):
+        fail, starts = set(), 0
+
+        def write_connection_file(self, **kwargs):
+            super().write_connection_file(**kwargs)
+            PortTaken.starts += 1
+            if PortTaken.starts in PortTaken.fail:
+                taken = socket.socket()
+                sockets.append(taken)
+                taken.bind((self.ip, self.shell_port))
+                taken.listen()
+
+    monkeypatch.setattr(runner, "_ThisPythonsKernel", PortTaken)
+    yield PortTaken
+    for taken in sockets:
+        taken.close()
+
+
+def test_a_kernel_that_does_not_start_ran_none_of_the_notebook(tmp_path, ports_taken):
+    ports_taken.fail = {1}
+    cells = [nbformat.v4.new_code_cell("open('ran', 'w').close()")]
+    run = run_notebook(nbformat.v4.new_notebook(cells=cells), tmp_path, cell_timeout=60, notebook_timeout=60)
+    assert not run.started and run.errors == {} and run.stopped_at is None
+    assert run.stopped == "the grader could not start a kernel (Kernel died before replying to kernel_info)"
+    assert not (tmp_path / "ran").exists()
+
+
+def two_learners(folder: Path) -> None:
+    """ada hands in the solution (PASS), bob the untouched exercise (FAIL: not done yet)."""
+    variant(folder / "ada", source=ROOT / "solutions" / EXERCISE.name)
+    variant(folder / "bob")
+
+
+def gradebook(path: Path) -> dict:
+    with open(path, newline="") as file:
+        return {(row["notebook"].split("/")[1], row["exercise"][:12]): (row["result"], row["detail"])
+                for row in csv.DictReader(file)}
+
+
+LEARNERS_REAL_RESULTS = {
+    ("ada", "Exercise 1.1"): ("PASS", ""), ("ada", "Exercise 1.2"): ("PASS", ""),
+    ("bob", "Exercise 1.1"): ("FAIL", "not done yet: the exercise still raises NotImplementedError"),
+    ("bob", "Exercise 1.2"): ("FAIL", "not done yet: the exercise still raises NotImplementedError"),
+}
+
+
+def test_a_kernel_that_does_not_start_is_started_again_and_the_learners_real_result_comes_back(
+        tmp_path, monkeypatch, capsys, ports_taken):
+    """ada's kernel loses its port at the first start: she is graded again, alone, after bob."""
+    monkeypatch.chdir(tmp_path)
+    two_learners(tmp_path / "class")
+    ports_taken.fail = {1}
+    assert grading.grade(["class"], "grades.csv", jobs=1) == 1  # bob's FAIL, nothing else
+    assert gradebook(tmp_path / "grades.csv") == LEARNERS_REAL_RESULTS
+    assert ports_taken.starts == 3  # ada, bob, ada again
+    out = capsys.readouterr().out
+    assert f"class/ada/{EXERCISE.name}: the grader could not start a kernel; it is graded again at the end" in out
+
+
+def test_a_kernel_that_never_starts_is_an_error_not_a_fail_and_only_errors_grades_it_again(
+        tmp_path, monkeypatch, capsys, ports_taken):
+    """ada's kernel loses its port at both tries: her rows say ERROR (exit 3), bob's are his real FAIL;
+    --only-errors then grades ada alone and puts her rows in their place."""
+    monkeypatch.chdir(tmp_path)
+    two_learners(tmp_path / "class")
+    ports_taken.fail = {1, 3}  # ada, bob, ada again
+    assert grading.grade(["class"], "grades.csv", jobs=1) == 3
+    first = gradebook(tmp_path / "grades.csv")
+    not_started = ("ERROR", "the grader could not start a kernel (Kernel died before replying to kernel_info)")
+    assert first == {**LEARNERS_REAL_RESULTS, **{("ada", f"Exercise 1.{k}"): not_started for k in (1, 2)}}
+    assert "grade them again later: course-lib grade class --csv grades.csv --only-errors" in capsys.readouterr().out
+    rows = (tmp_path / "grades.csv").read_text().splitlines()
+
+    assert grading.grade(["class"], "grades.csv", jobs=999, only_errors=True) == 1  # bob's FAIL, nothing else
+    assert gradebook(tmp_path / "grades.csv") == LEARNERS_REAL_RESULTS and ports_taken.starts == 4  # ada alone
+    assert "warning: --jobs 999 is more than this machine can grade at once" in capsys.readouterr().err
+    assert (tmp_path / "grades.csv").read_text().splitlines()[3:] == rows[3:]  # bob's rows, as they were
+
+
+@pytest.mark.parametrize("available_gib, jobs, why", [(3.5, 1, "3.5 GiB of memory available, 2 GiB a notebook"),
+                                                      (1, 1, "1.0 GiB of memory available, 2 GiB a notebook"),
+                                                      (10**6, None, "CPU cores")])
+def test_jobs_default_to_the_cpu_cores_or_the_memory_whichever_binds(monkeypatch, available_gib, jobs, why):
+    monkeypatch.setattr(grading.psutil, "virtual_memory", lambda: SimpleNamespace(available=available_gib * 2**30))
+    can, because = grading.machine_jobs()
+    if jobs:  # the memory binds
+        assert (can, because) == (jobs, why)
+    else:
+        assert can >= 1 and because == f"{can} CPU cores"
