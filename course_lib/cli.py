@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--params", help="a raw parameter count, e.g. 7e9 (activations are then unknown)")
     plan.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16"),
                       help="default: mixed-bf16, or mixed-fp16 on a GPU without bf16; the base's dtype for --quant")
-    plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw8bit",
+    plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit",
                       "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
     plan.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R")
     plan.add_argument("--lora-dropout", type=float, metavar="P",

@@ -1,9 +1,13 @@
 """Exact memory accounting of one training step, by category, on CPU and CUDA (lesson 0).
 
 Categories are counted from the tensors themselves, one storage once: parameters, gradients,
-optimizer state (read from `optimizer.state`) and the tensors autograd saved for backward. The peak
-over forward, backward and the optimizer step comes from a live-storage tracker on CPU (every storage
-created or freed during the step) and from the caching allocator's statistics on CUDA.
+optimizer state (read from `optimizer.state`) and the tensors autograd saved for backward. On CUDA
+the peak over forward, backward and the optimizer step comes from the caching allocator's
+statistics. On a CPU two instruments run side by side: the PyTorch profiler's allocator events
+(every allocation and free of the CPU allocator, those an operator makes inside itself included: the
+true peak) and a live-storage tracker (every storage an operator returns, and when it is freed: what
+each tensor is). Where they disagree, an operator allocated memory inside itself that no Python code
+ever holds (bitsandbytes' fused 8-bit step, `torch.sort`'s scratch copy); `StepMemory` reports both.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 PHASES = ("forward", "backward", "optimizer")
+AGREE_BYTES = 4 * KiB  # the tracker and the allocator events agree when they differ by no more
 
 
 def format_bytes(n: int | float | None) -> str:
@@ -69,13 +74,23 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
             if isinstance(value, torch.Tensor)]
 
 
+# `torch.tensor(data)` builds its tensor outside any operator, then passes it through one of these.
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift.default)
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Live bytes of every storage created during a region, and the peak (lesson 0, "the CPU tracker").
 
     Every output of every operator is looked at once; a storage not seen before is added, and a weak
-    reference finalizer subtracts it when it is freed. `watch` adds storages that existed before the
+    reference finalizer subtracts it when it is freed. An output that shares a storage with one of the
+    operator's inputs (a view, an in-place result) is no new storage: when it was alive before the
+    region it is not counted, and when it changed size (`resize_`) the change is. Storages are told
+    apart by the storage itself, which a resize keeps. `watch` adds storages that existed before the
     region (parameters, optimizer state, the batch) so that the totals are absolute. Leaving the
     `with` block stops the count: what is freed afterwards is not part of the region.
+
+    What it cannot see: memory an operator allocates and frees inside itself (a custom op's
+    temporaries, a sort's scratch copy). `measure_step` runs the profiler's allocator events beside it.
     """
 
     def __init__(self) -> None:
@@ -94,19 +109,21 @@ class LiveStorageTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         key = self.storage_key(tensor, storage)
         nbytes = storage.nbytes()
-        if key is None or not nbytes or key in self.live:
+        if key is None or key in self.live:
             return
-        self.live[key] = nbytes
+        self.live[key] = nbytes  # an empty storage too: `resize_` may grow it
         self._finalizers.append(weakref.finalize(storage, self._freed, key, nbytes))
-        self._record(nbytes)
+        if nbytes:
+            self._record(nbytes)
 
     def storage_key(self, tensor: torch.Tensor, storage: torch.UntypedStorage):
-        """What identifies the storage, or None for one not counted (meta tensors hold no memory)."""
-        return None if tensor.device.type == "meta" else storage_key(tensor)
+        """What identifies the storage (the storage object itself, which `resize_` keeps while its
+        address moves), or None for one not counted (meta tensors hold no memory)."""
+        return None if tensor.device.type == "meta" else storage._cdata
 
     def _freed(self, key, nbytes: int) -> None:
-        if self.live.get(key) == nbytes:
-            del self.live[key]
+        nbytes = self.live.pop(key, None)  # its size now: a resize may have changed it
+        if nbytes:
             self._record(-nbytes)
 
     def _record(self, delta: int) -> None:
@@ -132,10 +149,26 @@ class LiveStorageTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        inputs = {self.storage_key(t, t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
         for tensor in tree_flatten(out)[0]:
-            self.watch(tensor)
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = self.storage_key(tensor, storage)
+            if key in self.live:
+                self._resized(key, storage.nbytes())
+            elif key not in inputs or func in _LIFTS:  # an input's storage not counted was alive before,
+                self.watch(tensor)                      # but for `torch.tensor(data)`'s, made just now
         return out
+
+    def _resized(self, key, nbytes: int) -> None:
+        change = nbytes - self.live[key]
+        if change:
+            self.live[key] = nbytes
+            self._record(change)
 
 
 class PlainTextTable:
@@ -160,9 +193,11 @@ class StepMemory(PlainTextTable):
     """Memory of one training step by category, in bytes (lesson 0).
 
     `baseline` is what was live before the step (model, optimizer state, batch); `peak` the most
-    live at any moment of the step; `phase_peaks` the peak of each phase. On CUDA `reserved` is what
-    the caching allocator holds and `outside_pytorch` what the GPU uses beyond it (CUDA context,
-    other processes): nvidia-smi shows reserved + outside_pytorch.
+    live at any moment of the step, as the allocator sees it; `phase_peaks` the peak of each phase.
+    On a CPU `tracked_peak` is the live-storage tracker's peak beside it: lower where an operator
+    allocated inside itself (`inside_operators`). On CUDA `reserved` is what the caching allocator
+    holds and `outside_pytorch` what the GPU uses beyond it (CUDA context, other processes):
+    nvidia-smi shows reserved + outside_pytorch.
     """
 
     device: str
@@ -177,6 +212,17 @@ class StepMemory(PlainTextTable):
     reserved: int | None = None
     outside_pytorch: int | None = None
     timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    tracked_peak: int | None = None  # CPU: the live-storage tracker's peak (what operators return)
+    tracked_phase_peaks: dict[str, int] | None = None
+
+    @property
+    def inside_operators(self) -> int:
+        """CPU: bytes at the peak that no operator returned, allocated inside one (0 where the
+        instruments agree to within `AGREE_BYTES`, or where only the tracker ran)."""
+        if self.tracked_peak is None:
+            return 0
+        unseen = self.peak - self.tracked_peak
+        return unseen if abs(unseen) > AGREE_BYTES else 0
 
     def rows(self) -> list[tuple[str, int | None]]:
         """(label, bytes) in display order."""
@@ -187,6 +233,8 @@ class StepMemory(PlainTextTable):
         rows += [(f"peak in {phase}", self.phase_peaks.get(phase)) for phase in PHASES
                  if phase in self.phase_peaks]
         rows.append(("peak of the step", self.peak))
+        if self.inside_operators:
+            rows.append(("  of which inside operators", self.inside_operators))
         if self.reserved is not None:
             rows += [("reserved by the allocator", self.reserved),
                      ("outside PyTorch (context, other processes)", self.outside_pytorch)]
@@ -265,16 +313,13 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     if device.type == "cuda":
         peaks, reserved, outside, timeline, baseline = _run_on_cuda(device, model, optimizer, loss_fn, recorder)
         method = "CUDA caching allocator statistics"
+        tracked = None
     else:
-        tracker = LiveStorageTracker()
-        for tensor in baseline_tensors:
-            tracker.watch(tensor)
-        baseline = tracker.current
-        with tracker:
-            _run_phases(tracker.set_phase, optimizer, loss_fn, recorder)
-        peaks, reserved, outside, timeline = tracker.phase_peaks, None, None, tracker.timeline
-        peaks.pop("start", None)
-        method = "live-storage tracker"
+        baseline, tracked, allocator, timeline = _cpu_peaks(
+            lambda begin: _run_phases(begin, optimizer, loss_fn, recorder), baseline_tensors)
+        peaks, reserved, outside = allocator or tracked, None, None
+        method = ("allocator events, the live-storage tracker beside" if allocator else
+                  "live-storage tracker (another profiler was running)")
     return StepMemory(
         device=str(device), method=method,
         parameters=storage_bytes(model.parameters()),
@@ -282,7 +327,9 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
         optimizer_state=storage_bytes(optimizer_state_tensors(optimizer)),
         saved_for_backward=recorder.bytes,
         baseline=baseline, peak=max(peaks.values()), phase_peaks=dict(peaks),
-        reserved=reserved, outside_pytorch=outside, timeline=timeline)
+        reserved=reserved, outside_pytorch=outside, timeline=timeline,
+        tracked_peak=None if tracked is None else max(tracked.values()),
+        tracked_phase_peaks=tracked)
 
 
 def peak_bytes(step: Callable[[], None], live: Iterable[torch.Tensor], device: torch.device) -> int:
@@ -301,13 +348,95 @@ def peak_bytes(step: Callable[[], None], live: Iterable[torch.Tensor], device: t
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) + paged
+    def run(begin):
+        begin("step")
+        step()
+
+    _, tracked, allocator, _ = _cpu_peaks(run, live)
+    return (allocator or tracked)["step"]
+
+
+def _cpu_peaks(run: Callable[[Callable[[str], None]], None], live: Iterable[torch.Tensor]):
+    """Run `run(begin)` (which calls `begin(phase)` as each phase starts) under both CPU instruments:
+    (baseline, the tracker's phase peaks, the allocator events' phase peaks or None when another
+    profiler is already running, the tracker's timeline). Both are absolute: the `live` tensors'
+    storages count from the start (lesson 0)."""
     tracker = LiveStorageTracker()
+    live = [t for t in live if isinstance(t, torch.Tensor)]
     for tensor in live:
         tracker.watch(tensor)
-    with tracker:
-        tracker.set_phase("step")
-        step()
-    return tracker.peak
+    baseline = tracker.current
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live if t.device.type == "cpu"}
+    events = _AllocatorEvents()
+    with events, tracker:
+        def begin(phase: str) -> None:
+            tracker.set_phase(phase)
+            events.mark(phase)
+        run(begin)
+    tracked = {phase: peak for phase, peak in tracker.phase_peaks.items() if phase != "start"}
+    return baseline, tracked, events.phase_peaks(baseline, held), tracker.timeline
+
+
+class _AllocatorEvents:
+    """The PyTorch profiler's CPU allocator events over a block, with phase marks (lesson 0): every
+    allocation and free, those inside an operator included. Off (`phase_peaks` None) when another
+    profiler is running: the profiler does not nest."""
+
+    def __init__(self) -> None:
+        self.profiler = None
+
+    def __enter__(self) -> _AllocatorEvents:
+        if not torch._C._autograd._profiler_enabled():
+            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _native_stderr_silenced():  # its C++ side prints "USDT: profiler_start/stop"
+                self.profiler.__enter__()
+        return self
+
+    def mark(self, phase: str) -> None:
+        if self.profiler is not None:
+            with record_function(f"{_MARK}{phase}"):
+                pass
+
+    def __exit__(self, *exc) -> None:
+        if self.profiler is not None:
+            with _native_stderr_silenced():
+                self.profiler.__exit__(*exc)
+
+    def phase_peaks(self, baseline: int, held: dict[int, int] | None = None) -> dict[str, int] | None:
+        """Each phase's peak: the bytes live when it starts (from `baseline`) and the most after.
+
+        Only blocks allocated inside the block are counted, and the `held` ones (address -> bytes:
+        the storages in `baseline`) when freed: the CPU allocator also reports the frees of blocks a
+        profiler saw allocated earlier (a previous step's logits), which `baseline` never counted."""
+        if self.profiler is None:
+            return None
+        held = dict(held or {})
+        events = []
+        stack = list(self.profiler.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.name.startswith(_MARK):
+                events.append((node.start_time_ns, 1, node.name[len(_MARK):], 0))
+            elif str(node.tag).endswith("Allocation") and node.extra_fields.device.type == "cpu":
+                events.append((node.start_time_ns, 0, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        current, phase, peaks, made = baseline, None, {}, {}
+        for _, is_mark, key, size in sorted(events, key=lambda e: e[:2]):
+            if is_mark:
+                phase = key
+                peaks[phase] = max(peaks.get(phase, 0), current)
+                continue
+            if size > 0:
+                made[key] = size
+                current += size
+            else:
+                current -= made.pop(key, None) or held.pop(key, 0)
+            if phase is not None and current > peaks[phase]:
+                peaks[phase] = current
+        return peaks
+
+
+_MARK = "course_lib.measure.phase:"
 
 
 def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: SavedTensorRecorder) -> None:
@@ -345,19 +474,17 @@ def _run_on_cuda(device, model, optimizer, loss_fn, recorder):
 
 
 def profiler_peak(step: Callable[[], None]) -> int:
-    """Peak CPU bytes of `step()` as the PyTorch profiler's memory timeline sees them (lesson 0).
-
-    An independent check of `LiveStorageTracker`: the profiler records every allocation and free
-    of the CPU allocator. The result is relative to what was allocated before `step` started.
-    """
-    with _native_stderr_silenced():  # the profiler's C++ side prints "USDT: profiler_start/stop"
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-    current = peak = 0
-    for event in sorted(_memory_events(prof), key=lambda e: e[0]):
-        current += event[1]
-        peak = max(peak, current)
-    return peak
+    """Peak CPU bytes of `step()` as the PyTorch profiler's allocator events see them, relative to
+    what was allocated before `step` started (lesson 0): the instrument `measure_step` runs beside
+    its live-storage tracker, on its own."""
+    events = _AllocatorEvents()
+    with events:
+        events.mark("step")
+        step()
+    peaks = events.phase_peaks(0)
+    if peaks is None:
+        raise RuntimeError("profiler_peak runs the PyTorch profiler, and another profiler is running")
+    return peaks["step"]
 
 
 @contextlib.contextmanager
@@ -372,12 +499,3 @@ def _native_stderr_silenced():
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-
-
-def _memory_events(prof) -> list[tuple[int, int]]:
-    """(time, signed bytes) of every CPU allocation and free the profiler recorded."""
-    events = []
-    for event in prof.profiler.kineto_results.events():
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
-            events.append((event.start_ns(), event.nbytes()))
-    return events

@@ -276,13 +276,92 @@ def test_gpu_target_adds_the_cuda_context_and_a_verdict():
     assert "fits on T4" in result.verdict()
 
 
-def test_what_makes_it_fit_applies_tricks_in_order_until_it_fits():
-    result = plan("llama-3.2-1b", precision="mixed-fp16", batch=4, seq=1024, gpu="t4")
+@pytest.mark.parametrize("options", [dict(precision="mixed-fp16", batch=4, seq=1024),
+                                     dict(precision="mixed-fp16", batch=2, seq=1024),
+                                     dict(precision="mixed-fp16", batch=16, seq=512)])
+def test_what_makes_it_fit_keeps_only_the_tricks_the_final_setup_needs(options):
+    model = "llama-3.2-1b" if options["batch"] == 4 else "llama-3.1-8b"
+    result = plan(model, gpu="t4", **options)
     assert not result.fits and result.tricks
-    assert all(t.saves > 0 for t in result.tricks)
+    final = plan(model, result.tricks[-1].setup, gpu="t4", suggest=False)
+    assert final.fits and final.total == result.tricks[-1].total_after
     assert result.tricks[-1].fits_after and not any(t.fits_after for t in result.tricks[:-1])
-    assert all(t.total_after == before - t.saves for t, before in
-               zip(result.tricks, [result.total] + [t.total_after for t in result.tricks]))
+    for trick in result.tricks:  # pruned: without any one of them the final setup does not fit (or is refused)
+        assert trick.saves is None or final.total + trick.saves > final.gpu.memory_bytes
+    qlora = any(t.name.startswith("QLoRA") for t in result.tricks)  # only LoRA under QLoRA cannot go alone
+    assert [t.name for t in result.tricks if t.saves is None] == [t.name for t in result.tricks
+                                                                  if qlora and t.name.startswith("LoRA")]
+
+
+def test_what_makes_it_fit_tries_exact_tricks_before_lossy_ones_and_prunes_what_a_later_one_made_unneeded():
+    """Llama-3.1-8B on a T4 at batch 2 x 1024: the 4-bit recipe fits at batch 2, so no accumulation
+    (the old list kept "accumulation x2"); the chunked loss, exact, is kept where it is needed."""
+    result = plan("llama-3.1-8b", precision="mixed-fp16", batch=2, seq=1024, gpu="t4")
+    names = [t.name for t in result.tricks]
+    assert not any("accumulation" in name for name in names) and result.tricks[-1].setup.batch == 2
+    assert "activation checkpointing (every layer)" in names and names[-1].startswith("QLoRA")
+    candidates = [name for name, _, exact in memory.fit._candidate_tricks(Setup(precision="mixed-fp16", batch=2),
+                                                                         memory.get_gpu("t4"))]
+    lossy_from = candidates.index("8-bit AdamW (bitsandbytes)")
+    assert all(name.startswith(("8-bit", "LoRA", "QLoRA")) for name in candidates[lossy_from:])
+    assert "fused AdamW (fused=True, the Trainer's adamw_torch_fused)" in candidates[:lossy_from]
+    assert "chunked loss (1024 tokens a chunk)" in candidates[:lossy_from]
+
+
+def test_fused_adamw_keeps_adamw_s_state_and_makes_no_step_temporaries():
+    fused = plan("llama-3.2-1b", optimizer="adamw_fused", precision="bf16", gpu="a100-80gb", suggest=False)
+    foreach = plan("llama-3.2-1b", optimizer="adamw", precision="bf16", gpu="a100-80gb", suggest=False)
+    assert fused.bytes["optimizer_state"] == foreach.bytes["optimizer_state"]
+    assert fused.detail["optimizer_step_temporaries"] == 0 < foreach.detail["optimizer_step_temporaries"]
+    assert fused.total < foreach.total
+
+
+def test_fused_adamw_is_planned_within_1_percent_of_a_measured_step():
+    config = _tiny_llama()
+    setup = Setup(precision="fp32", optimizer="adamw_fused", batch=2, seq=96)
+    torch.manual_seed(0)
+    model = build_model(config, "cpu", dtype=setup.weight_dtype)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    ids = torch.randint(0, 2048, (2, 96))
+
+    def loss_fn():
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    measure_step(model, optimizer, loss_fn, [ids])
+    measured = measure_step(model, optimizer, loss_fn, [ids])
+    predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
+    assert predicted.bytes["optimizer_state"] == measured.optimizer_state
+    assert abs(predicted.total - measured.peak) <= 0.01 * measured.peak
+
+
+def test_bitsandbytes_cpu_step_temporaries_are_planned_as_the_allocator_measures_them():
+    """bitsandbytes' CPU 8-bit step makes five fp32 copies of each parameter inside one operator
+    (lesson 0, "6. Checking the instrument"): the planner counts them on a CPU target, not on CUDA."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    config = _tiny_llama()
+    setup = Setup(precision="fp32", optimizer="adamw8bit", batch=2, seq=96)
+    torch.manual_seed(0)
+    model = build_model(config, "cpu")
+    model.train()
+    optimizer = bnb.optim.AdamW8bit(model.parameters())
+    ids = torch.randint(0, 2048, (2, 96))
+
+    def loss_fn():
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    measure_step(model, optimizer, loss_fn, [ids])
+    measured = measure_step(model, optimizer, loss_fn, [ids])
+    spec = spec_from_model(build_model(config), "tiny-llama", config)
+    predicted = plan(spec, setup)
+    largest = max(p.numel() for p in model.parameters())
+    unseen = measured.phase_peaks["optimizer"] - measured.tracked_phase_peaks["optimizer"]
+    assert unseen == pytest.approx(20 * largest, rel=0.01)  # five fp32 copies of the largest tensor
+    assert predicted.detail["optimizer_step_temporaries"] == 20 * largest
+    assert abs(predicted.total - measured.peak) <= 0.01 * measured.peak
+    assert plan(spec, setup, gpu="a100-80gb", suggest=False).detail["optimizer_step_temporaries"] == 0
 
 
 @pytest.mark.parametrize("options, message", [

@@ -20,10 +20,11 @@ from course_lib.models import config_class_name, model_spec, ModelSpec, supporte
 
 @dataclass
 class Trick:
-    """One step of "what makes it fit": the change, what it saves, the total after it."""
+    """One trick of "what makes it fit": its name, what it saves in the final setup, and the peak and
+    setup with it and the tricks before it (lesson 1)."""
 
     name: str
-    saves: int
+    saves: int | None  # in the final setup; None: a later trick needs it
     total_after: int
     fits_after: bool
     setup: Setup = field(repr=False)
@@ -103,11 +104,13 @@ class Plan:
                                                        if self.setup.shard == "zero2" and self.activations_known else ""))
         lines.append(self.verdict())
         if self.tricks:
-            lines.append("What makes it fit, in order (each on top of the ones before):")
+            lines.append("What makes it fit (exact tricks tried before lossy ones, none the final setup can do "
+                         "without): the peak with each trick and those above it, and what it saves in the final setup")
             width = max(len(trick.name) for trick in self.tricks)
             for trick in self.tricks:
-                lines.append(f"  {trick.name:<{width}} saves {trick.saves / GiB:7.2f} GiB -> "
-                             f"{trick.total_after / GiB:7.2f} GiB{'  fits' if trick.fits_after else ''}")
+                saves = "needed by a later trick" if trick.saves is None else f"saves {trick.saves / GiB:6.2f} GiB"
+                lines.append(f"  {trick.name:<{width}} -> {trick.total_after / GiB:7.2f} GiB"
+                             f"{'  fits' if trick.fits_after else '      '}   {saves}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -174,7 +177,7 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
                      f"(optimizer_temporaries: what it adds over the activations' peak); "
-                     "fused=True (Trainer's adamw_torch_fused) avoids it")
+                     "--optimizer adamw_fused (fused=True, the Trainer's adamw_torch_fused) avoids it")
     if spec is not None:
         notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
                      "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "

@@ -9,7 +9,8 @@ import torch
 from course_lib import checkpointing
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16")
-OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion")
+OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit",
+              "adafactor", "lion")
 QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
 LOOPS = ("trainer", "keep-outputs")
@@ -30,6 +31,8 @@ class Setup:
     """How the model is trained (lesson 1). Sizes are per micro-batch; `accum` micro-batches make one
     optimizer step (effective batch = batch * accum).
 
+    optimizer: torch's "adamw" (foreach on CUDA, single-tensor on a CPU), "adamw_fused" (fused=True, the
+    Trainer's adamw_torch_fused: no step temporaries), bitsandbytes' 8-bit and paged ones, ...
     precision: "fp32"; "bf16"/"fp16" (pure: weights, gradients and torch optimizer state in 16 bits);
     "mixed-bf16"/"mixed-fp16" (16-bit weights and gradients, fp32 master weights and optimizer state).
     adam_state: None (torch's rule: state in the dtype of the parameter it updates) or "fp32".
@@ -94,8 +97,8 @@ class Setup:
             raise PlanError(f"lora dropout must be a probability from 0 up to (not including) 1, got {self.lora_dropout!r}")
         if self.lora_rank == 0 and self.lora_dropout:
             raise PlanError(f"lora dropout {self.lora_dropout} without a LoRA rank: give lora_rank R > 0")
-        if self.adam_state is not None and self.optimizer not in ("adamw", "momentum", "adafactor"):
-            raise PlanError(f"adam_state applies to torch's adamw, momentum and adafactor, not {self.optimizer!r} "
+        if self.adam_state is not None and self.optimizer not in ("adamw", "adamw_fused", "momentum", "adafactor"):
+            raise PlanError(f"adam_state applies to torch's adamw, adamw_fused, momentum and adafactor, not {self.optimizer!r} "
                             "(sgd keeps no state; bitsandbytes' optimizers choose their own)")
         if self.quant != "none" and self.precision.startswith("mixed"):
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "

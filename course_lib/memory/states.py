@@ -76,7 +76,7 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
         return 0
     if optimizer == "momentum":
         return sum(numels) * state_itemsize
-    if optimizer == "adamw":
+    if optimizer in ("adamw", "adamw_fused"):
         return 2 * sum(numels) * state_itemsize + steps
     if optimizer in ("adamw8bit", "paged_adamw8bit"):
         total, eight_bit = 0, 0
@@ -114,7 +114,9 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
 
     torch AdamW on the CPU (single-tensor): sqrt(v) and its division live together, 2 x the largest
     tensor; on CUDA the default foreach path makes sqrt(v) for all tensors at once, 1 x all of them.
-    bitsandbytes' kernels update in place. transformers' Adafactor (measured, lesson 7): the update
+    Fused AdamW (`fused=True`) updates in place on either device (measured on a CPU: 12 B over the state).
+    bitsandbytes' CUDA kernels update in place; its CPU kernels work on fp32 copies, one tensor at a time
+    (`_bnb_cpu_step_bytes`). transformers' Adafactor (measured, lesson 7): the update
     and its negation in fp32, 8 bytes per value of the largest tensor, 16 for a 16-bit one (fp32 copies
     of its gradient and of itself). Mixed precision converts each gradient to fp32 for the master update.
     """
@@ -125,12 +127,28 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
     extra = 0
     if optimizer == "adamw":
         extra = sum(numels) * state_itemsize if cuda else 2 * largest * state_itemsize
+    elif optimizer in ("adamw8bit", "paged_adamw8bit", "paged_adamw32bit") and not cuda:
+        extra = max(_bnb_cpu_step_bytes(optimizer, n, grad_itemsize) for n in numels)
     elif optimizer == "adafactor":  # update and its negation (fp32), plus fp32 copies of a 16-bit grad and param
         extra = max(4 * math.prod(s) * (2 if grad_itemsize == 4 else 4)
                     + 4 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else 1) for s in shapes)
     if mixed:
         extra += 4 * largest
     return extra
+
+
+def _bnb_cpu_step_bytes(optimizer: str, n: int, grad_itemsize: int) -> int:
+    """The most bitsandbytes' CPU Adam kernels hold at once beyond one n-value tensor's state
+    (bitsandbytes 0.50 backends/cpu/ops.py, lesson 0's "inside operators"). The 8-bit kernel
+    (`_optimizer_update_8bit_blockwise_cpu`): both moments dequantized to fp32, the scaled gradient,
+    and sqrt(v) with its division by the bias correction, 5 fp32 values a value; a 16-bit gradient and
+    weight add their fp32 copies, 6. The 32-bit kernel (`_optimizer_update_32bit_cpu`, for tensors
+    under 4096 values and paged_adamw32bit): the scaled gradient, sqrt(v) + eps and the update, 3;
+    with a 16-bit gradient and weight, 4."""
+    sixteen = grad_itemsize != 4
+    if optimizer != "paged_adamw32bit" and n >= BNB_MIN_8BIT_SIZE:
+        return (24 if sixteen else 20) * n
+    return (16 if sixteen else 12) * n
 
 
 @dataclass
@@ -153,7 +171,7 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
     (lesson 1). With `spec=None`, `n_params` parameters are treated as one full fine-tune."""
     wsize = itemsize(setup.weight_dtype)
     mixed = setup.precision.startswith("mixed")
-    torch_opt = setup.optimizer in ("adamw", "momentum", "adafactor")
+    torch_opt = setup.optimizer in ("adamw", "adamw_fused", "momentum", "adafactor")
     if spec is None:
         if setup.lora_rank or setup.quant != "none":
             raise PlanError("LoRA and quantization need the model's layer shapes: give a model name or "
