@@ -392,31 +392,6 @@ def test_non_positive_counts_are_refused(count):
         plan(count)
 
 
-# --- lesson 1's exercise checks ---------------------------------------------------------------------
-
-def test_exercise_checks_accept_right_answers_and_explain_wrong_ones():
-    from course_lib import checks
-
-    def right(n, precision, optimizer):
-        weight = 4 if precision == "fp32" else 2
-        state = 2 if precision == "bf16" else 4
-        return n * (2 * weight + {"sgd": 0, "momentum": 1, "adamw": 2}[optimizer] * state
-                    + (4 if precision.startswith("mixed") else 0))
-
-    checks.check_model_state_bytes(right)
-    with pytest.raises(AssertionError, match="master"):
-        checks.check_model_state_bytes(lambda n, p, o: right(n, p, o) - (4 * n if p.startswith("mixed") else 0))
-
-    def layout(numel):
-        return 8 * numel if numel < 4096 else 2 * (numel + 4 * math.ceil(numel / 256))
-
-    checks.check_adamw8bit_state_bytes(layout)
-    with pytest.raises(AssertionError, match="absmax"):
-        checks.check_adamw8bit_state_bytes(lambda n: 8 * n if n < 4096 else 2 * n)
-    with pytest.raises(AssertionError, match="round the number"):
-        checks.check_adamw8bit_state_bytes(lambda n: 8 * n if n < 4096 else 2 * n + 8 * (n // 256))
-
-
 def test_optimizer_temporaries_are_their_own_category_and_prepare_kbit_costs_memory():
     """The foreach AdamW step's sqrt(v) is counted apart from activations (what it adds over their peak),
     and "what makes it fit" takes QLoRA as peft's recipe does it: prepare_model_for_kbit_training upcasts

@@ -2,8 +2,9 @@
 
 - No notebook (lessons, solutions, exercises) and no `course_lib` file names the internal fact sheet
   FACTS.md: citations point to docs/references.md, whose headings are the sources.
-- Every `references.md#anchor` link in the notebooks, `course_lib` and docs/ names a heading of
-  docs/references.md (GitHub's anchor rules).
+- Every `references.md#anchor` link in the notebooks, `course_lib`, docs/ and README names a heading of
+  docs/references.md (GitHub's anchor rules), and an explicit `<a id="anchor"></a>` on the line before
+  that heading: JupyterLab gives headings other ids than GitHub, and lands such a link on that tag.
 - Every row of docs/myths.md has a verdict, a labelled number and the notebook section that prints it.
 - Committed notebooks carry no stderr stream, no path of the machine that ran them and no unfinished
   progress bar in their outputs.
@@ -22,6 +23,7 @@ NOTEBOOKS = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions", 
 PACKAGE = sorted(p.relative_to(ROOT) for p in (ROOT / "course_lib").rglob("*")
                  if p.is_file() and p.suffix in (".py", ".json", ".md", ".txt"))
 DOCS = sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))
+README = Path("README.md")
 
 
 def github_anchor(heading: str) -> str:
@@ -62,7 +64,7 @@ def _link_targets(path: Path) -> list[str]:
     return re.findall(r"references\.md#([\w\-]+)", (ROOT / path).read_text())
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS + PACKAGE + DOCS, ids=str)
+@pytest.mark.parametrize("path", NOTEBOOKS + PACKAGE + DOCS + [README], ids=str)
 def test_every_reference_link_names_a_heading(path):
     anchors = reference_anchors()
     missing = sorted({a for a in _link_targets(path) if a not in anchors})
@@ -73,6 +75,38 @@ def test_links_inside_references_resolve():
     anchors = reference_anchors()
     inner = re.findall(r"\]\(#([\w\-]+)\)", REFERENCES.read_text())
     assert inner and not sorted(set(inner) - anchors)
+    assert not sorted(set(inner) - set(explicit_ids())), "give each heading linked to an explicit <a id>"
+
+
+def explicit_ids(text: str | None = None) -> dict[str, str | None]:
+    """Each `<a id="..."></a>` line of references.md, with the GitHub anchor of the heading on the next
+    line (None when the next line is no heading)."""
+    lines = (REFERENCES.read_text() if text is None else text).splitlines()
+    ids = {}
+    for line, following in zip(lines, lines[1:] + [""]):
+        tag = re.fullmatch(r'<a id="([\w\-]+)"></a>', line.strip())
+        if tag:
+            heading = re.match(r"^#{1,6} (.+)$", following)
+            ids[tag.group(1)] = github_anchor(heading.group(1)) if heading else None
+    return ids
+
+
+def test_explicit_ids_are_read_with_the_heading_that_follows():
+    text = '<a id="a-b"></a>\n### A, b\n\n<a id="c"></a>\nplain text\n'
+    assert explicit_ids(text) == {"a-b": "a-b", "c": None}
+
+
+def test_each_explicit_id_is_the_github_anchor_of_the_heading_after_it():
+    wrong = {tag: heading for tag, heading in explicit_ids().items() if tag != heading}
+    assert explicit_ids() and not wrong, f"<a id> not followed by its own heading: {wrong}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + PACKAGE + DOCS + [README], ids=str)
+def test_every_reference_link_has_an_explicit_id_for_jupyterlab(path):
+    ids = explicit_ids()
+    missing = sorted({a for a in _link_targets(path) if a not in ids})
+    assert not missing, (f"{path} links to docs/references.md anchors without an explicit <a id=\"...\"></a> "
+                         f"on the line before their heading (JupyterLab lands such links at the top): {missing}")
 
 
 MYTHS = ROOT / "docs" / "myths.md"

@@ -6,37 +6,76 @@ import warnings
 
 import torch
 
-from course_lib import memory
+import course_lib
 from course_lib.checks.hints import refuse_reference
 from course_lib.memory import BNB_QMAPS_BYTES, optimizer_state_bytes, plan
 
 __all__ = ["check_model_state_bytes", "check_adamw8bit_state_bytes"]
 
-_PRECISIONS = ("fp32", "bf16", "mixed-bf16")
+_PRECISIONS = ("fp32", "mixed-bf16", "bf16")  # fp32 first: its hints say what each optimizer keeps
 _OPTIMIZERS = ("sgd", "momentum", "adamw")
+_BUFFERS = {"sgd": 0, "momentum": 1, "adamw": 2}
+CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights")
+
+
+def _layout_hint(got: dict, n: int, precision: str, optimizer: str) -> str | None:
+    """The hint for a plausible wrong layout of one recipe's model states (bytes per category), None if it is
+    none of them. Several layouts have the same total: torch AMP's 4 + 4 is the master copy's 2 + 2 + 4."""
+    per = {category: got[category] / n for category in CATEGORIES}
+    buffers = _BUFFERS[optimizer]
+    if precision == "mixed-bf16":
+        if per["weights"] == 4 and per["gradients"] == 4 and per["master_weights"] == 0:
+            return ("that is torch AMP's layout (fp32 weights and gradients, bf16 only inside autocast, no copy): "
+                    "the same total, other tensors. Here the model itself is in bf16 (2 B weights, 2 B gradients) "
+                    "and the optimizer updates an fp32 master copy of the weights (4 B)")
+        if per["weights"] == 4 and per["master_weights"] == 4:
+            return "the weights the model runs with are bf16 (2 B): the fp32 copy is master_weights, counted once"
+        if per["master_weights"] == 0:
+            return ("you left out the fp32 master copy of the weights (4 B/param): the optimizer updates fp32 "
+                    "weights, then copies them to bf16")
+        if per["gradients"] == 4:
+            return ("the gradients are bf16 here, like the weights (2 B/param): fp32 gradients (Megatron's "
+                    "main_grad) are the 18 B/param recipe")
+        if buffers and per["optimizer_state"] == 2 * buffers:
+            return "the optimizer state is fp32 (4 B a value): it updates the fp32 master weights"
+    if precision != "mixed-bf16" and per["master_weights"]:
+        return f"{precision} has no master copy: the optimizer updates the weights themselves"
+    if optimizer == "sgd" and per["optimizer_state"]:
+        return "plain SGD keeps no state: it updates each weight from its gradient alone"
+    value = 2 if precision == "bf16" else 4
+    if precision == "bf16" and buffers and per["optimizer_state"] == 4 * buffers:
+        return ("in pure bf16, torch keeps the optimizer state in the parameter's dtype (2 bytes a value), "
+                "not in fp32")
+    if optimizer == "momentum" and per["optimizer_state"] == 2 * value:
+        return "SGD with momentum keeps ONE buffer per parameter (Adam keeps two)"
+    if precision != "fp32" and (per["weights"] == 4 or per["gradients"] == 4):
+        return f"in {precision} the weights and their gradients are bf16: 2 bytes each"
+    return None
 
 
 def check_model_state_bytes(model_state_bytes) -> None:
-    """Exercise 1.1: `model_state_bytes(n_params, precision, optimizer)` is the planner's model-state total."""
+    """Exercise 1.1: `model_state_bytes(n_params, precision, optimizer)` is the planner's model states, by category."""
     for n in (1, 1000, 7_000_000_000):
         for precision in _PRECISIONS:
             for optimizer in _OPTIMIZERS:
-                expected = plan(n, precision=precision, optimizer=optimizer).total
-                with refuse_reference(memory, instead="add up the bytes per parameter yourself"):
+                planned = plan(n, precision=precision, optimizer=optimizer).bytes
+                expected = {category: planned[category] for category in CATEGORIES}
+                with refuse_reference(course_lib, instead="add up the bytes per parameter yourself"):
                     got = model_state_bytes(n, precision, optimizer)
-                assert got is not None, "model_state_bytes returned None: return the number of bytes"
                 case = f"{n:,} parameters, {precision}, {optimizer}"
-                if precision == "mixed-bf16" and got == expected - 4 * n:
-                    raise AssertionError(f"{case}: you left out the fp32 master copy of the weights (4 B/param): "
-                                         "the optimizer updates fp32 weights, then copies them to bf16")
-                if optimizer == "momentum" and got == expected + (4 if precision != "bf16" else 2) * n:
-                    raise AssertionError(f"{case}: SGD with momentum keeps ONE buffer per parameter, Adam two")
-                if precision == "bf16" and optimizer != "sgd" and got > expected:
-                    raise AssertionError(f"{case}: too much. In pure bf16, torch keeps the optimizer state in the "
-                                         "parameter's dtype (2 bytes per value), not in fp32")
-                assert got == expected, (
-                    f"{case}: expected {expected:,} bytes ({expected / n:g} B/param), got {got:,} "
-                    f"({got / n:g} B/param). Add up weights, gradients, optimizer state and master weights.")
+                assert got is not None, "model_state_bytes returned None: return a dict of bytes by category"
+                if not isinstance(got, dict):
+                    per_param = f" ({got / n:g} B/param)" if isinstance(got, (int, float)) else ""
+                    raise AssertionError(f"{case}: you returned {got!r}{per_param}; return a dict with the bytes of "
+                                         f"each of {', '.join(CATEGORIES)}, not one number")
+                assert set(got) == set(CATEGORIES), (
+                    f"{case}: your dict has the keys {sorted(got)}; give exactly {', '.join(CATEGORIES)} "
+                    "(0 where a recipe keeps none)")
+                hint = _layout_hint(got, n, precision, optimizer)
+                assert hint is None or got == expected, f"{case}: {hint}"
+                wrong = [f"{c} {got[c]:,} B ({got[c] / n:g} B/param), expected {expected[c]:,} ({expected[c] / n:g} "
+                         "B/param)" for c in CATEGORIES if got[c] != expected[c]]
+                assert not wrong, f"{case}: " + "; ".join(wrong)
     print("Correct: 16 bytes per parameter for mixed-precision Adam (2 + 2 + 8 + 4), and every other recipe.")
 
 
@@ -66,7 +105,7 @@ def check_adamw8bit_state_bytes(adamw8bit_state_bytes) -> None:
         if numel <= 100_000:
             real = _real_8bit_state(numel)
             assert real is None or real == expected  # the formula the check uses is the real layout
-        with refuse_reference(memory, instead="count the moments' bytes and their absmax values yourself"):
+        with refuse_reference(course_lib, instead="count the moments' bytes and their absmax values yourself"):
             got = adamw8bit_state_bytes(numel)
         assert got is not None, "adamw8bit_state_bytes returned None: return the number of bytes"
         if numel < 4096 and got != expected:

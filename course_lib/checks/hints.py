@@ -5,8 +5,10 @@
 - `hints_only(check)`: a check whose failed asserts become `CheckFailed`, and whose other errors (the
   learner's own code raising) show the learner's frames without the check's.
 - `refuse_reference(*references)` and `refusing(answer, *references)`: refuse an answer that only calls
-  the library's own implementation of what the exercise asks (a module, or named functions or classes),
-  the very thing the check compares the answer with.
+  the library's own implementation of what the exercise asks (a module or package, or named functions
+  or classes), the very thing the check compares the answer with. Name `course_lib` itself to refuse a
+  call into any of the library (where one answer is implemented in several places: lesson 1's 8-bit
+  layout is in `course_lib.memory` and in `course_lib.paging.trace`); the checks' own code never counts.
 """
 
 from __future__ import annotations
@@ -63,12 +65,18 @@ def hints_only(check: Callable) -> Callable:
 
 
 def _owner(modules: tuple[types.ModuleType, ...], filename: str) -> str | None:
-    """The name of the module (or package: any file under its folder) whose code is in `filename`."""
+    """The dotted name of the module whose code is in `filename`, when that is one of `modules` or lies
+    in one of their packages; None for the code of course_lib.checks (the check running, not an answer)."""
     real = Path(filename).resolve()
+    if Path(_CHECKS_DIR) in real.parents:
+        return None
     for module in modules:
         path = Path(module.__file__).resolve()
-        if real == path or (path.name == "__init__.py" and path.parent in real.parents):
+        if real == path:
             return module.__name__
+        if path.name == "__init__.py" and path.parent in real.parents:
+            inner = real.relative_to(path.parent).with_suffix("").parts
+            return ".".join((module.__name__, *(part for part in inner if part != "__init__")))
     return None
 
 
@@ -86,7 +94,8 @@ def refuse_reference(*references, instead: str = "work it out yourself"):
     """Run the learner's answer inside `with refuse_reference(course_lib.memory): ...`: if the answer
     called the library's reference that the check compares with (any function of a module or package
     named, or one of the functions or classes named), the check fails with a hint that says so. A call
-    is seen however the function was imported."""
+    is seen however the function was imported. `refuse_reference(course_lib)` refuses a call into any
+    module of the library (course_lib.checks excepted)."""
     modules = tuple(r for r in references if isinstance(r, types.ModuleType))
     codes: dict[types.CodeType, str] = {}
     for reference in references:
