@@ -451,3 +451,25 @@ def test_jobs_default_to_the_cpu_cores_or_the_memory_whichever_binds(monkeypatch
         assert (can, because) == (jobs, why)
     else:
         assert can >= 1 and because == f"{can} CPU cores"
+
+
+# --- the design card's route: pytest --nbval-lax on an exercise --------------------------------------
+
+def test_nbval_lax_on_an_exercise_fails_exactly_at_its_check_cells_and_passes_when_solved(tmp_path):
+    """nbval-lax fails a cell only when it raises (no exercise cell compares its output: the markers
+    are checked below), so on the unsolved exercise exactly the check cells fail, and on its answers
+    (the solution, which CI runs under nbval for every lesson) nothing does. Lesson 1, the quickest;
+    test_exercises.py shows the grader's run of every unsolved exercise fails at its check cells only."""
+    for notebook in sorted((ROOT / "exercises").glob("*.ipynb")):
+        for cell in nbformat.read(notebook, as_version=4).cells:
+            assert "NBVAL_" not in cell.source, f"{notebook.name}: an nbval marker changes what nbval-lax checks"
+    shutil.copy(EXERCISE, tmp_path / "unsolved.ipynb")
+    shutil.copy(ROOT / "solutions" / EXERCISE.name, tmp_path / "solved.ipynb")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                             "--nbval-lax", "--nbval-current-env", "-rA", "-q", "unsolved.ipynb", "solved.ipynb",
+                             "-c", "/dev/null"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    failed = sorted(line.split(" - ")[0].removeprefix("FAILED ") for line in result.stdout.splitlines()
+                    if line.startswith("FAILED"))
+    code = [cell for cell in nbformat.read(EXERCISE, as_version=4).cells if cell.cell_type == "code"]
+    checks = sorted(f"unsolved.ipynb::Cell {n}" for n, cell in enumerate(code) if "checks.check_" in cell.source)
+    assert result.returncode == 1 and failed == checks, result.stdout[-3000:]  # solved.ipynb: every cell passed
