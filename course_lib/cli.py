@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,14 +37,10 @@ def _make_exercises(args: argparse.Namespace) -> int:
 
 def _kernelspec(args: argparse.Namespace) -> int:
     # off the import path: course_lib.exercises imports nbclient and nbformat (seconds): keeps `course-lib plan` light
-    from course_lib.exercises import set_kernelspec
+    from course_lib.exercises import set_kernelspecs
 
-    for folder in args.folders:
-        if not Path(folder).is_dir():
-            raise UserError(f"{folder}: no such folder of notebooks")
-        for path in sorted(Path(folder).glob("*.ipynb")):
-            if set_kernelspec(path):
-                print(f"kernel spec set: {path}")
+    for path in set_kernelspecs(args.folders):
+        print(f"kernel spec set: {path}")
     return 0
 
 
@@ -52,19 +49,20 @@ def _grade(args: argparse.Namespace) -> int:
     from course_lib.exercises import grade
 
     return grade(args.notebooks, args.csv, reference_dir=args.reference, cell_timeout=args.timeout,
-                 notebook_timeout=args.notebook_timeout, jobs=args.jobs, only_errors=args.only_errors)
+                 notebook_timeout=args.notebook_timeout, jobs=args.jobs, only_errors=args.only_errors,
+                 as_recorded=args.as_recorded, junit_path=args.junit)
 
 
 def _positive(kind: type):
-    """An argparse type: a number above zero (an error says so in one line)."""
+    """An argparse type: a finite number above zero (an error says so in one line)."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number above zero")
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above zero")
         return value
 
     return parse
@@ -104,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("notebooks", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
                        help="notebooks (.ipynb), or folders of them (e.g. one per learner); not modified")
     grade.add_argument("--csv", metavar="FILE", help="also write a gradebook: one row per notebook and exercise")
+    grade.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report, one test case per notebook "
+                       "and exercise (for a course's CI or a classroom autograder)")
+    grade.add_argument("--as-recorded", action="store_true",
+                       help="grade a notebook whose recorded exercise is of another lesson than its file name says "
+                            "as the exercise it records (by default it is a FAIL)")
     grade.add_argument("--reference", metavar="DIR", help="the instructor's copy the setup and check cells come "
                        "from: a folder of the course's exercises or solutions (default: the course's solutions/)")
     grade.add_argument("--timeout", type=_positive(float), default=300, metavar="SECONDS",

@@ -308,8 +308,9 @@ def test_each_numeric_mistake_moves_the_weights_and_the_reference_does_not():
     assert all(diff > 1e-2 for diff in results.values()), results
 
 
-# Exercise 2.2 is "fix this loop": five mistakes are planted in one loop. This builds the loop with any
-# subset of them, to prove that the check names a mistake that is present, whichever remain.
+# check_training_loop (the check lesson 2 runs on its accumulation_loop) against a loop with five planted
+# mistakes. This builds the loop with any subset of them, to prove that the check names a mistake that is
+# present, whichever remain.
 PLANTED_HINTS = {
     "token_normalisation": ("normalise it by its own item count", "token count of the whole window"),
     "short_last_window": ("needs its step too",),
@@ -685,3 +686,43 @@ def test_benchmark_script_prints_the_table_and_writes_the_plot(tmp_path, capsys)
                         "--seq-len", "4", "--repeats", "1", "--device", "cpu", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "GFLOP/step" in out and plot.stat().st_size > 0
+
+
+# Exercise 2.2: the end of a window under GradScaler. Each mistake alone is the one property named (skipping
+# scaler.step or scaler.update is already torch's own RuntimeError at the next window).
+def finish_window(model, optimizer, scheduler, scaler, max_grad_norm, mistake=None):
+    if scaler is not None and mistake != "clip_before_unscale":
+        scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if scaler is None:
+        optimizer.step()
+        took = True
+    else:
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        took = scaler.get_scale() >= before
+    if scheduler is not None and (took or mistake == "scheduler_on_skipped_step"):
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=mistake != "grads_kept")
+    return True if mistake == "always_true" else took
+
+
+FINISH_WINDOW_HINTS = {
+    None: None,
+    "clip_before_unscale": "clip after scaler.unscale_(optimizer)",
+    "scheduler_on_skipped_step": "the learning rate must not move on",
+    "grads_kept": "optimizer.zero_grad(set_to_none=True)",
+    "always_true": "return True when the optimizer stepped, False when GradScaler skipped the step",
+}
+
+
+@pytest.mark.parametrize("mistake", FINISH_WINDOW_HINTS)
+def test_check_finish_window_names_the_one_mistake_left(mistake):
+    answer = functools.partial(finish_window, mistake=mistake)
+    if mistake is None:
+        checks.check_finish_window(answer)
+        return
+    with pytest.raises(checks.CheckFailed, match=re.escape(FINISH_WINDOW_HINTS[mistake])):
+        checks.check_finish_window(answer)

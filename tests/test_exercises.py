@@ -1,7 +1,9 @@
 """The exercise pipeline: generation from solutions/, protection of learners' work (README)."""
 
 import csv
+import difflib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -98,6 +100,45 @@ def test_set_kernelspec_changes_the_kernel_spec_and_nothing_else(tmp_path):
     assert set_kernelspec(path) and not set_kernelspec(path)
     notebook.metadata["kernelspec"] = jupyterlab_kernelspec()
     assert path.read_text() == nbformat.writes(notebook) + "\n"
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda folder: (folder / "b.ipynb").write_text("{ not json"), "b.ipynb: not a readable notebook (NotJSONError)"),
+    (lambda folder: (folder / "b.ipynb").write_text(json.dumps({"nbformat": 3, "nbformat_minor": 0, "metadata": {},
+                                                                 "worksheets": [{"cells": []}]})),
+     "b.ipynb: a notebook of nbformat 3, which rewriting would convert to 4"),
+    (lambda folder: [p.unlink() for p in folder.glob("*.ipynb")], "folder: no notebooks (.ipynb) in this folder"),
+])
+def test_kernelspec_refuses_what_it_would_damage_in_one_line_and_changes_nothing(tmp_path, damage, says):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    notebook = nbformat.read(SOLUTIONS[0], as_version=4)
+    notebook.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nbformat.write(notebook, folder / "a.ipynb")
+    damage(folder)
+    before = snapshot(tmp_path)
+    result = course_lib("kernelspec", "folder", cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_an_exercise_torn_by_a_killed_write_is_named_so_and_nothing_is_written(tmp_path):
+    """Not 'your work?': a learner's notebook saved by Jupyter is whole. --force writes it again."""
+    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
+    write_exercises(tmp_path / "solutions", tmp_path / "exercises")
+    torn = tmp_path / "exercises" / SOLUTIONS[1].name
+    torn.write_text(torn.read_text()[:1000])
+    before = snapshot(tmp_path)
+    result = course_lib("make-exercises", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"course-lib: error: exercises/{torn.name}: not a readable notebook (a write cut short?), so not what was "
+        "generated nor a learner's work saved by Jupyter; nothing was written: move it away, or pass --force to "
+        "write it again")
+    assert snapshot(tmp_path) == before
+    assert course_lib("make-exercises", "--force", cwd=tmp_path).returncode == 0
+    assert torn.read_text() == (ROOT / "exercises" / torn.name).read_text()
+    assert not list((tmp_path / "exercises").glob(".*.writing"))  # written whole, through a temporary file
 
 
 def test_a_learners_edited_exercise_survives_regeneration(tmp_path):
@@ -215,3 +256,36 @@ def test_grading_passes_the_solution_and_fails_the_exercise_at_its_checks_only(t
             assert row["result"] == "FAIL" and "NotImplementedError" in row["detail"], row
     assert f"2 notebooks graded: {len(labels)} of {2 * len(labels)} exercises passed" in result.stdout
     assert {p: data for p, data in snapshot(tmp_path).items() if p.suffix == ".ipynb"} == before
+
+
+def normalized(source: str) -> str:
+    """Code without comments, magics, blank lines or runs of spaces: what a copy keeps."""
+    lines = (" ".join(re.sub(r"#.*", "", line).split()) for line in source.splitlines())
+    return "\n".join(line for line in lines if line and not line.startswith(("%", "!")))
+
+
+def answers(source: str) -> list[str]:
+    """The solution blocks of a cell, markers left out."""
+    return re.findall(rf"^[ \t]*{BEGIN}\n(.*?)^[ \t]*{END}", source, re.MULTILINE | re.DOTALL)
+
+
+ANSWERS = [(solution, n) for solution in SOLUTIONS for n, cell in enumerate(nbformat.read(solution, 4).cells)
+           if answers(cell.source)]
+# Lesson 0's two one-line answers are formulas its lesson computes; its exercises are being rewritten (the
+# branch that extends 'answers, not calls' to the whole library). Strict: this fails once they are not copies.
+BEING_REWRITTEN = pytest.mark.xfail(strict=True, reason="lesson 0's exercises are being rewritten elsewhere")
+
+
+@pytest.mark.parametrize("solution, index", [pytest.param(*answer, marks=BEING_REWRITTEN)
+                                             if answer[0].name.startswith("00_") else answer for answer in ANSWERS],
+                         ids=lambda value: value.stem if isinstance(value, Path) else f"cell {value}")
+def test_no_exercise_answer_is_printed_by_its_lesson(solution, index):
+    """An exercise that the lesson's code answers is transcription: at most 80% of an answer's code (its
+    normalized text, in order) may be found in any one code cell of the lesson."""
+    lesson = [normalized(cell.source) for cell in nbformat.read(ROOT / "notebooks" / solution.name, 4).cells
+              if cell.cell_type == "code"]
+    for answer in map(normalized, answers(nbformat.read(solution, 4).cells[index].source)):
+        for n, code in enumerate(lesson):
+            matcher = difflib.SequenceMatcher(None, answer, code, autojunk=False)
+            copied = sum(block.size for block in matcher.get_matching_blocks()) / len(answer)
+            assert copied <= 0.8, f"{copied:.0%} of this answer is in the lesson's code cell {n + 1}: transcription"

@@ -3,14 +3,21 @@
 
 import csv
 import importlib
+import shutil
 import socket
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import nbformat
+import psutil
 import pytest
+
+import course_lib.layers
+from course_lib.checks import CheckFailed, refuse_reference
 
 from course_lib.exercises import METADATA, identify, load_references, make_exercise, restore, run_notebook
 from course_lib.exercises import run as runner
@@ -159,7 +166,9 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     """One class run: each submission is FAIL with a one-line reason (the loop under --timeout, the dead
     kernel at once, a wrong answer with its hint and no traceback, a notebook that is not an exercise or
     not a notebook at all); A's write to B's file reaches nothing, and C's, by its absolute path, changes
-    neither B's grade nor, in the end, B's file. (The honest solutions pass: test_exercises.py.) The loop
+    neither B's grade nor, in the end, B's file, and is C's FAIL: C ran beside another notebook, so it and
+    those that ended after it are graded again, alone, to find which one wrote it. (The honest solutions
+    pass: test_exercises.py.) The loop
     sleeps, to spare a shared CPU; --timeout leaves room for the setup cell's imports on a busy machine."""
     class_dir = tmp_path / "class"
     solved = (ROOT / "solutions" / EXERCISE.name).read_text()
@@ -199,8 +208,10 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
                          if row["exercise"].startswith("Exercise")} for learner, rows in by_learner.items()}
     assert reasons["loops"] == {"timed out"} and reasons["dies"] == {"kernel died"}, by_learner
     assert all("cell 4 " in row["detail"] for row in by_learner["loops"] + by_learner["dies"])  # the answer cell
-    for learner in ("deleted_and_commented", "patched_and_wrapped", "a_cheat", "b_victim", "c_cheat"):
+    for learner in ("deleted_and_commented", "patched_and_wrapped", "a_cheat", "b_victim"):
         assert reasons[learner] == {"not done yet"}, by_learner[learner]
+    assert reasons["c_cheat"] == {f"it modified a submission (class/b_victim/{EXERCISE.name}) while it was graded "
+                                  "(the file was put back)"}, by_learner["c_cheat"]
     notes = {row["check_cell"] for row in by_learner["deleted_and_commented"] + by_learner["patched_and_wrapped"]}
     assert notes == {"restored: deleted", "restored: edited", ""}
     assert "FileNotFoundError" in " ".join(row["detail"] for row in by_learner["a_cheat"])
@@ -209,12 +220,18 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     hint = next(row["detail"] for row in by_learner["wrong"] if row["exercise"].startswith("Exercise 1.1"))
     assert "B/param" in hint and not hint.startswith("CheckFailed")
     assert "Traceback" not in result.stdout and "course_lib/" not in result.stdout
-    assert f"put back class/b_victim/{EXERCISE.name}: a submission's code changed it" in result.stdout
+    assert (f"put back class/b_victim/{EXERCISE.name}: class/c_cheat/{EXERCISE.name}'s code changed it"
+            in result.stdout), result.stdout
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--timeout", "0"], "'0' is not a number above zero"),
-    (["--jobs", "two"], "'two' is not a number above zero"),
+    (["--timeout", "0"], "'0' is not a finite number above zero"),
+    (["--timeout", "inf"], "'inf' is not a finite number above zero"),
+    (["--notebook-timeout", "nan"], "'nan' is not a finite number above zero"),
+    (["--jobs", "two"], "'two' is not a finite number above zero"),
+    (["--csv", "g" * 300 + ".csv"], ": cannot write the gradebook there (File name too long)"),
+    (["--junit", "nowhere/report.xml"], "nowhere/report.xml: no folder nowhere to write the gradebook in"),
+    (["--reference", str(ROOT / "exercises")], f"holds {EXERCISE}, a notebook being graded"),
     (["--csv", "."], ".: a folder; give the gradebook a file name"),
     (["--reference", "nowhere"], "nowhere: no such folder to take the check cells from"),
     (["--only-errors"], "--only-errors grades again the ERROR rows of a gradebook: give it with --csv FILE"),
@@ -224,7 +241,116 @@ def test_bad_grading_options_are_one_clear_line(tmp_path, args, says):
     result = subprocess.run([COURSE_LIB, "grade", str(EXERCISE), *args], capture_output=True, text=True, cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and result.stdout == ""  # nothing graded, nothing written
+
+
+def test_a_reference_without_the_exercise_is_the_references_fault_not_the_submissions(tmp_path):
+    (tmp_path / "reference").mkdir()
+    shutil.copy(ROOT / "solutions" / "00_measuring_memory.ipynb", tmp_path / "reference")
+    result = subprocess.run([COURSE_LIB, "grade", str(EXERCISE), "--reference", "reference"], capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.strip() == (f"course-lib: error: reference: no exercise {EXERCISE.stem} (which {EXERCISE} "
+                                     "is); give --reference a folder with every exercise graded, e.g. the course's "
+                                     "solutions/")
+
+
+# --- the second review's holes: nothing outlives a grade, the reference stays, the right lesson ---------
+
+def spawn_detached(pid_file: Path, victim: Path) -> str:
+    """Answer-cell code that starts a grandchild in a session of its own, whose parent exits at once: it
+    rewrites `victim`, then records its pid and keeps on rewriting it."""
+    child = (f"import os, time\nif os.fork():\n    os._exit(0)\nos.setsid()\n"
+             f"open({str(victim)!r}, 'w').write('rewritten')\nopen({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid()))\n"
+             f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r})\n"
+             f"while True:\n    time.sleep(0.2)\n    open({str(victim)!r}, 'w').write('rewritten')\n")
+    return (f"import os, subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}], "
+            f"start_new_session=True)\nwhile not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.1)")
+
+
+def test_no_hole_of_the_second_review_passes_and_the_honest_solution_still_does(tmp_path):
+    """One class run, alone (--jobs 1): a detached grandchild that rewrites another learner's notebook is
+    dead when the grade ends (and the notebook is as it was); a submission that rewrites the reference's
+    check cells is a FAIL and the reference is put back; lesson 1's exercise handed in under lesson 7's
+    name is a FAIL in one line, and graded as lesson 1 with --as-recorded; the honest solution passes.
+    The JUnit report has one test case per gradebook row."""
+    reference = tmp_path / "reference"
+    shutil.copytree(ROOT / "solutions", reference)
+    reference_before = {path: path.read_bytes() for path in reference.glob("*.ipynb")}
+    class_dir, solution = tmp_path / "class", ROOT / "solutions" / EXERCISE.name
+    victim = variant(class_dir / "victim", source=solution)
+    honest_bytes = victim.read_bytes()
+    check_cell = check_cells(exercise())[0]
+    variant(class_dir / "detached", append_to_answer(spawn_detached(tmp_path / "pid", victim)))
+    variant(class_dir / "edits_reference", append_to_answer(
+        f"import json\npath = {str(reference / EXERCISE.name)!r}\nnb = json.load(open(path))\n"
+        f"for cell in nb['cells']:\n    if cell.get('id') == {check_cell.id!r}:\n        cell['source'] = 'pass'\n"
+        "json.dump(nb, open(path, 'w'))"))
+    (class_dir / "wrong_lesson").mkdir()
+    lesson_one = nbformat.read(solution, as_version=4)
+    lesson_one.metadata[METADATA] = exercise().metadata[METADATA]  # a solved exercise records its lesson
+    nbformat.write(lesson_one, class_dir / "wrong_lesson" / "07_the_rest_of_the_toolbox.ipynb")
+
+    def run(*args):
+        return subprocess.run([COURSE_LIB, "grade", "class", "--reference", "reference", "--jobs", "1", *args],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=900)
+
+    result = run("--csv", "grades.csv", "--junit", "grades.xml")
+    assert result.returncode == 1, result.stdout + result.stderr
+    grandchild = int((tmp_path / "pid").read_text())
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    assert victim.read_bytes() == honest_bytes
+    assert {path: path.read_bytes() for path in reference.glob("*.ipynb")} == reference_before
+    assert (reference / f"{EXERCISE.name}.changed-while-graded").exists()  # what it was changed to: nothing is lost
+    with open(tmp_path / "grades.csv", newline="") as file:
+        rows = {(row["notebook"].split("/")[1], row["exercise"][:12]): row for row in csv.DictReader(file)}
+    results = {key: (row["result"], row["detail"], row["lesson"]) for key, row in rows.items()}
+    wrong = ("the wrong lesson: this is 01_adam_memory's exercise, handed in as lesson 07's; hand in lesson 07's "
+             "exercise (or grade it as what it is with --as-recorded)")
+    assert results == {
+        ("victim", "Exercise 1.1"): ("PASS", "", EXERCISE.stem), ("victim", "Exercise 1.2"): ("PASS", "", EXERCISE.stem),
+        **{("detached", f"Exercise 1.{k}"): (
+            "FAIL", f"it modified a submission (class/victim/{EXERCISE.name}) while it was graded (the file was put "
+            "back)", EXERCISE.stem) for k in (1, 2)},
+        **{("edits_reference", f"Exercise 1.{k}"): (
+            "FAIL", f"it modified the reference (reference/{EXERCISE.name}) while it was graded (the file was put "
+            "back)", EXERCISE.stem) for k in (1, 2)},
+        ("wrong_lesson", "(the whole n"): ("FAIL", wrong, ""),
+    }
+    assert f"put back reference/{EXERCISE.name}: class/edits_reference/{EXERCISE.name}'s code changed it" in result.stdout
+    cases = ElementTree.parse(tmp_path / "grades.xml").getroot().iter("testcase")
+    assert sorted((case.get("classname").split("/")[1], case.get("name")[:12], case.find("failure") is None)
+                  for case in cases) == sorted((key[0], key[1], row["result"] == "PASS") for key, row in rows.items())
+
+    (tmp_path / "pid").unlink()
+    shutil.rmtree(class_dir / "detached")
+    shutil.rmtree(class_dir / "edits_reference")
+    again = run("--csv", "again.csv", "--as-recorded")
+    assert again.returncode == 0, again.stdout + again.stderr
+    with open(tmp_path / "again.csv", newline="") as file:
+        lessons = {(row["notebook"], row["result"], row["lesson"]) for row in csv.DictReader(file)}
+    assert lessons == {(f"class/victim/{EXERCISE.name}", "PASS", EXERCISE.stem),
+                       ("class/wrong_lesson/07_the_rest_of_the_toolbox.ipynb", "PASS", EXERCISE.stem)}
+
+
+def test_answers_not_calls_is_seen_on_every_thread_the_answer_starts():
+    """An answer that calls the library from a thread pool is refused as one that calls it directly."""
+    with pytest.raises(CheckFailed, match="your answer calls course_lib.layers.find_layer_stack"):
+        with refuse_reference(course_lib.layers):
+            with ThreadPoolExecutor(2) as pool:
+                pool.submit(course_lib.layers.find_layer_stack, object()).exception()
+    with refuse_reference(course_lib.layers):  # an answer of its own, in threads, is not refused
+        with ThreadPoolExecutor(2) as pool:
+            assert pool.submit(sum, [1, 2]).result() == 3
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python 3.11 cannot watch threads started before the check")
+def test_answers_not_calls_is_seen_on_a_thread_that_was_running_already():
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(int).result()  # its thread is up before the check starts watching
+        with pytest.raises(CheckFailed, match="your answer calls course_lib.layers.find_layer_stack"):
+            with refuse_reference(course_lib.layers):
+                pool.submit(course_lib.layers.find_layer_stack, object()).exception()
 
 
 # --- a busy machine: a kernel that does not start is the grader's problem, never the learner's FAIL ---
@@ -325,3 +451,25 @@ def test_jobs_default_to_the_cpu_cores_or_the_memory_whichever_binds(monkeypatch
         assert (can, because) == (jobs, why)
     else:
         assert can >= 1 and because == f"{can} CPU cores"
+
+
+# --- the design card's route: pytest --nbval-lax on an exercise --------------------------------------
+
+def test_nbval_lax_on_an_exercise_fails_exactly_at_its_check_cells_and_passes_when_solved(tmp_path):
+    """nbval-lax fails a cell only when it raises (no exercise cell compares its output: the markers
+    are checked below), so on the unsolved exercise exactly the check cells fail, and on its answers
+    (the solution, which CI runs under nbval for every lesson) nothing does. Lesson 1, the quickest;
+    test_exercises.py shows the grader's run of every unsolved exercise fails at its check cells only."""
+    for notebook in sorted((ROOT / "exercises").glob("*.ipynb")):
+        for cell in nbformat.read(notebook, as_version=4).cells:
+            assert "NBVAL_" not in cell.source, f"{notebook.name}: an nbval marker changes what nbval-lax checks"
+    shutil.copy(EXERCISE, tmp_path / "unsolved.ipynb")
+    shutil.copy(ROOT / "solutions" / EXERCISE.name, tmp_path / "solved.ipynb")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                             "--nbval-lax", "--nbval-current-env", "-rA", "-q", "unsolved.ipynb", "solved.ipynb",
+                             "-c", "/dev/null"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    failed = sorted(line.split(" - ")[0].removeprefix("FAILED ") for line in result.stdout.splitlines()
+                    if line.startswith("FAILED"))
+    code = [cell for cell in nbformat.read(EXERCISE, as_version=4).cells if cell.cell_type == "code"]
+    checks = sorted(f"unsolved.ipynb::Cell {n}" for n, cell in enumerate(code) if "checks.check_" in cell.source)
+    assert result.returncode == 1 and failed == checks, result.stdout[-3000:]  # solved.ipynb: every cell passed

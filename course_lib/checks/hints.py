@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -94,8 +95,10 @@ def refuse_reference(*references, instead: str = "work it out yourself"):
     """Run the learner's answer inside `with refuse_reference(course_lib.memory): ...`: if the answer
     called the library's reference that the check compares with (any function of a module or package
     named, or one of the functions or classes named), the check fails with a hint that says so. A call
-    is seen however the function was imported. `refuse_reference(course_lib)` refuses a call into any
-    module of the library (course_lib.checks excepted)."""
+    is seen however the function was imported, and in any thread the answer starts (a ThreadPoolExecutor,
+    say); on Python 3.12 and later also in threads that were running already. A call made in another
+    process (a subprocess, a multiprocessing pool) is not seen. `refuse_reference(course_lib)` refuses
+    a call into any module of the library (course_lib.checks excepted)."""
     modules = tuple(r for r in references if isinstance(r, types.ModuleType))
     codes: dict[types.CodeType, str] = {}
     for reference in references:
@@ -117,12 +120,22 @@ def refuse_reference(*references, instead: str = "work it out yourself"):
             if owners[code.co_filename]:
                 called.append(f"{owners[code.co_filename]}.{code.co_qualname}")
 
-    previous = sys.getprofile()
-    sys.setprofile(watch)
+    previous, previous_for_new_threads = sys.getprofile(), threading.getprofile()
+    # every thread (Python 3.12+), else this one and those started from now on
+    watch_all = getattr(threading, "setprofile_all_threads", None)
+    if watch_all:
+        watch_all(watch)
+    else:
+        threading.setprofile(watch)
+        sys.setprofile(watch)
     try:
         yield
     finally:
-        sys.setprofile(previous)
+        if watch_all:
+            watch_all(previous)
+        else:
+            sys.setprofile(previous)
+        threading.setprofile(previous_for_new_threads)
         if called:  # also when the answer then raised: the refusal is the hint that matters
             raise CheckFailed(f"your answer calls {called[0]}, the course library's own answer, which is what "
                               f"this check compares with: {instead}")

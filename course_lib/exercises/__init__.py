@@ -4,14 +4,16 @@
 - write: `course-lib make-exercises`, which never loses a learner's work (the manifest);
 - kernelspec: the kernel spec JupyterLab writes, so that opening a notebook changes nothing;
 - restore: a submission with its setup and check cells taken from the instructor's copy;
-- run: a notebook run in a fresh kernel under per-cell and per-notebook time limits (nbclient);
+- run: a notebook run in a fresh kernel under per-cell and per-notebook time limits (nbclient), and every
+  process its code started killed when it ends;
+- guard: the reference's notebooks and the submissions, as read before any run, put back if a run changed one;
 - grade: `course-lib grade`, one notebook or a class's folder, into an optional CSV gradebook.
 """
 
 from course_lib.exercises.generate import (BEGIN, END, METADATA, learner_fingerprint, make_exercise,  # noqa: F401
                                            protected_cells, strip_solutions)
 from course_lib.exercises.grade import grade, notebooks_to_grade  # noqa: F401
-from course_lib.exercises.kernelspec import jupyterlab_kernelspec, set_kernelspec  # noqa: F401
+from course_lib.exercises.kernelspec import jupyterlab_kernelspec, set_kernelspec, set_kernelspecs  # noqa: F401
 from course_lib.exercises.restore import identify, load_references, restore  # noqa: F401
 from course_lib.exercises.run import run_notebook  # noqa: F401
 from course_lib.exercises.write import MANIFEST, write_exercises  # noqa: F401

@@ -10,6 +10,11 @@ CSV gradebook.
 A kernel that does not start is the machine's problem, not the submission's (none of its code ran): the
 notebook is graded again once the others are done, alone, with a longer wait for its kernel; if it
 still does not start, its rows say ERROR, never FAIL, and `--only-errors` grades them again later.
+
+The reference's notebooks and every submission are read before any runs and compared after each run
+(guard.py): a run that changed one is a FAIL for its submission, and the file is put back. When
+several notebooks ran at once, which of them did it is not known: those whose runs ended after the
+change are graded again at the end, alone, like a kernel that did not start.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import shlex
 import sys
 import tempfile
+import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -30,10 +36,12 @@ from tqdm.auto import tqdm
 
 import course_lib
 from course_lib.errors import UserError
-from course_lib.exercises.restore import identify, load_references, restore
+from course_lib.exercises.generate import METADATA
+from course_lib.exercises.guard import Watched
+from course_lib.exercises.restore import identify, load_references, recorded_exercise, restore, wrong_lesson
 from course_lib.exercises.run import run_notebook
 
-COLUMNS = ["notebook", "exercise", "result", "detail", "check_cell"]
+COLUMNS = ["notebook", "exercise", "result", "detail", "check_cell", "lesson"]  # lesson: the exercise graded
 # Seconds a kernel has to reply: at the first try, then at the second, when it runs alone
 STARTUP_TIMEOUT, RETRY_STARTUP_TIMEOUT = 120, 300
 # Memory a notebook graded at once is given: a margin over what a kernel held at its peak grading lessons
@@ -53,6 +61,13 @@ class Graded:
     def not_started(self) -> bool:
         """Whether the grader could not start its kernel (its rows say ERROR)."""
         return any(row[2] == "ERROR" for row in self.rows)
+
+    def modified(self, what: str, put_back: list[str]) -> Graded:
+        """This notebook's result when its run changed a file it may not (`what`): FAIL for each exercise."""
+        detail = f"it modified {what} while it was graded (the file was put back)"
+        rows = [[path, label, "FAIL", detail, note, lesson] for path, label, _, _, note, lesson in self.rows]
+        return Graded([self.lines[0], *[f"  FAIL  {row[1]}: {detail}" for row in rows], *put_back,
+                       f"  0 of {self.exercises} exercises passed"], rows, self.exercises)
 
 
 def machine_jobs() -> tuple[int, str]:
@@ -79,7 +94,8 @@ def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: f
     lines = [f"Grading {path}"]
     if reference is None:
         detail = problem or "not one of the course's exercises (no exercise of this name or with these cells)"
-        return Graded(lines + [f"  FAIL  {detail}"], [[path, "(the whole notebook)", "FAIL", detail, ""]], 1)
+        return Graded(lines + [f"  FAIL  {detail}"], [[path, "(the whole notebook)", "FAIL", detail, "", ""]], 1)
+    lesson = reference["metadata"][METADATA]["exercise"]
     restored = restore(nbformat.reads(text, as_version=4), nbformat.from_dict(reference))
     with tempfile.TemporaryDirectory(prefix="course-lib-grade-", ignore_cleanup_errors=True) as folder:
         nbformat.write(restored.notebook, Path(folder) / Path(path).name)
@@ -99,12 +115,12 @@ def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: f
             where = restored.origin[run.stopped_at] if run.stopped_at is not None else "a cell"
             result, detail = "FAIL", run.stopped.replace("{where}", where) if run.stopped else "did not run"
         if record["role"] == "check" or result == "FAIL":
-            rows.append([path, record["label"], result, detail, note])
+            rows.append([path, record["label"], result, detail, note, lesson])
     protected = set(index_of[record["id"]] for record in restored.records)
     for index, error in sorted(run.errors.items()):
         if error and index not in protected:
-            rows.append([path, f"{restored.origin[index]} (not a check)", "FAIL", error, ""])
-    lines += [f"  {result}  {label}" + (f": {detail}" if detail else "") for _, label, result, detail, _ in rows]
+            rows.append([path, f"{restored.origin[index]} (not a check)", "FAIL", error, "", lesson])
+    lines += [f"  {result}  {label}" + (f": {detail}" if detail else "") for _, label, result, detail, *_ in rows]
     checks = [record for record in restored.records if record["role"] == "check"]
     passed = sum(1 for row in rows if row[2] == "PASS")
     lines.append("  not graded: the grader could not start a kernel" if not run.started
@@ -144,14 +160,23 @@ def _read_submission(path: Path) -> tuple[bytes, nbformat.NotebookNode | None, s
                            "from the exercise"
 
 
-def _check_gradebook_path(csv_path: str) -> None:
+def _check_gradebook_path(csv_path: str, kind: str = "csv") -> None:
+    """One-line errors, before anything is graded, for a gradebook (or JUnit report) that cannot be written."""
     where = Path(csv_path)
     if where.suffix == ".ipynb":
-        raise UserError(f"{csv_path}: the gradebook is a .csv file, not a notebook")
-    if where.is_dir():
-        raise UserError(f"{csv_path}: a folder; give the gradebook a file name, e.g. {where / 'grades.csv'}")
-    if not where.parent.is_dir():
-        raise UserError(f"{csv_path}: no folder {where.parent} to write the gradebook in")
+        raise UserError(f"{csv_path}: the gradebook is a .{kind} file, not a notebook")
+    try:
+        if where.is_dir():
+            raise UserError(f"{csv_path}: a folder; give the gradebook a file name, e.g. {where / ('grades.' + kind)}")
+        if not where.parent.is_dir():
+            raise UserError(f"{csv_path}: no folder {where.parent} to write the gradebook in")
+        if where.exists():  # opened as it will be written at the end, without truncating what is there
+            open(where, "r+b").close()
+        else:
+            open(where, "xb").close()
+            where.unlink()
+    except OSError as error:
+        raise UserError(f"{csv_path}: cannot write the gradebook there ({error.strerror})") from None
 
 
 def _earlier_gradebook(csv_path: str | None) -> list[list[str]]:
@@ -182,22 +207,34 @@ def _graded(tasks: list[tuple[int, tuple]], workers: int, startup_timeout: int):
             yield i, grade_notebook(*task, startup_timeout=startup_timeout)
 
 
-def _grade_all(tasks: list[tuple], jobs: int) -> dict[int, Graded]:
-    """Each task's Graded, by index, printed as it is done, `jobs` notebooks at once; a notebook whose
-    kernel did not start is graded again once the others are done, alone, with a longer wait."""
+def _grade_all(tasks: list[tuple], jobs: int, watched: Watched) -> dict[int, Graded]:
+    """Each task's Graded, by index, printed as it is done, `jobs` notebooks at once. A notebook whose
+    kernel did not start, or whose run ended after a watched file changed while others ran with it, is
+    graded again once the others are done, alone (with a longer wait for its kernel); a run alone that
+    changed a watched file is a FAIL, and the file is put back (module docstring)."""
     results, pending = {}, dict(enumerate(tasks))
     tries = [(jobs, STARTUP_TIMEOUT), (1, RETRY_STARTUP_TIMEOUT)]
     with tqdm(total=len(tasks), unit="notebook", file=sys.stderr, disable=True if len(tasks) < 2 else None) as bar:
         for n, (workers, startup_timeout) in enumerate(tries, 1):
+            alone = workers == 1 or len(pending) == 1
             for i, graded in _graded(list(pending.items()), workers, startup_timeout):
+                path, changed = tasks[i][0], watched.changed()
                 if graded.not_started and n < len(tries):
-                    bar.write(f"{tasks[i][0]}: the grader could not start a kernel; it is graded again at the end, "
+                    bar.write(f"{path}: the grader could not start a kernel; it is graded again at the end, "
                               f"alone, with {RETRY_STARTUP_TIMEOUT} s for its kernel to start", file=sys.stdout)
                     continue
+                if changed and not alone:
+                    bar.write(f"{path}: a file no submission may change ({changed[0]}) changed while it was graded "
+                              "with others; it is graded again at the end, alone", file=sys.stdout)
+                    continue
+                if changed:
+                    graded = graded.modified(watched.what(changed[0]), watched.put_back(changed, path))
                 results[i] = graded
                 del pending[i]
                 bar.write("\n".join(graded.lines), file=sys.stdout)
                 bar.update()
+            if changed := watched.changed():  # by one of the notebooks that ran at once: graded again, alone
+                bar.write("\n".join(watched.put_back(changed, "a submission")), file=sys.stdout)
     return results
 
 
@@ -218,15 +255,52 @@ def _exit_status(rows: list[list[str]]) -> int:
     return 0 if rows and all(row[2] == "PASS" for row in rows) else 1
 
 
+def _check_reference(reference: Path, submissions: list[tuple], references: dict) -> None:
+    """One-line errors for a reference folder that cannot grade these submissions: one that holds some of
+    them (they would bring their own check cells), or one that lacks an exercise of the course that a
+    submission is (the reference's fault, not the submission's)."""
+    for path, _, notebook, _ in submissions:
+        if path.resolve().parent == reference.resolve():
+            raise UserError(f"{reference}: the folder the check cells come from holds {path}, a notebook being "
+                            "graded: the submissions would bring their own checks; give --reference the course's "
+                            "solutions/ or exercises/")
+        course = {p.stem for p in default_reference().glob("*.ipynb")}
+        claimed = (notebook is not None and recorded_exercise(notebook)) or path.stem
+        if claimed in course and claimed not in references:
+            raise UserError(f"{reference}: no exercise {claimed} (which {path} is); give --reference a folder with "
+                            "every exercise graded, e.g. the course's solutions/")
+
+
+def _write_junit(junit_path: str, rows: list[list[str]]) -> None:
+    """A JUnit XML report, one test case per gradebook row: a notebook is a class, an exercise a test."""
+    failures, errors = sum(row[2] == "FAIL" for row in rows), sum(row[2] == "ERROR" for row in rows)
+    suites = ElementTree.Element("testsuites")
+    suite = ElementTree.SubElement(suites, "testsuite", name="course-lib grade", tests=str(len(rows)),
+                                   failures=str(failures), errors=str(errors))
+    for path, label, result, detail, _, lesson in rows:
+        case = ElementTree.SubElement(suite, "testcase", classname=path, name=label)
+        if result != "PASS":
+            ElementTree.SubElement(case, "failure" if result == "FAIL" else "error", message=detail).text = detail
+        if lesson:
+            ElementTree.SubElement(ElementTree.SubElement(case, "properties"), "property", name="lesson", value=lesson)
+    try:
+        ElementTree.ElementTree(suites).write(junit_path, encoding="utf-8", xml_declaration=True)
+    except OSError as error:
+        raise UserError(f"{junit_path}: cannot write the JUnit report ({error.strerror})") from None
+
+
 def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | None = None,
           cell_timeout: float = 300, notebook_timeout: float = 1800, jobs: int | None = None,
-          only_errors: bool = False) -> int:
+          only_errors: bool = False, as_recorded: bool = False, junit_path: str | None = None) -> int:
     """Grade notebooks and folders of notebooks: print PASS/FAIL per exercise with the check's hint, and
-    write one CSV row per notebook and exercise to `csv_path` when given. `jobs` notebooks run at once
-    (None: machine_jobs()); `only_errors` grades again only the notebooks whose rows in `csv_path` say
-    ERROR, and puts their new rows in their place. Exit status: _exit_status of the gradebook."""
-    if csv_path is not None:
-        _check_gradebook_path(csv_path)
+    write one CSV row per notebook and exercise to `csv_path` when given (and a JUnit XML test case per
+    row to `junit_path`). `jobs` notebooks run at once (None: machine_jobs()); `only_errors` grades again
+    only the notebooks whose rows in `csv_path` say ERROR, and puts their new rows in their place. A
+    notebook whose recorded exercise is of another lesson than its file name says is a FAIL, unless
+    `as_recorded`: then it is graded as what it records. Exit status: _exit_status of the gradebook."""
+    for path, kind in ((csv_path, "csv"), (junit_path, "xml")):
+        if path is not None:
+            _check_gradebook_path(path, kind)
     earlier = _earlier_gradebook(csv_path) if only_errors else []
     reference = Path(reference_dir) if reference_dir else default_reference()
     if not reference.is_dir():
@@ -246,11 +320,17 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
         print(f"course-lib: warning: --jobs {jobs} is more than this machine can grade at once ({can}: {why})",
               file=sys.stderr)
     submissions = [(path, *_read_submission(path)) for path in paths_found]  # all read before any runs
-    tasks = [(str(path), data.decode(errors="replace"), notebook and references.get(identify(notebook, path, references)),
-              cell_timeout, notebook_timeout, problem) for path, data, notebook, problem in submissions]
-    results = _grade_all(tasks, jobs)
+    _check_reference(reference, submissions, references)
+    watched = Watched(reference, {path: data for path, data, *_ in submissions})
+    tasks = []
+    for path, data, notebook, problem in submissions:
+        name = notebook and identify(notebook, path, references)
+        if name and not as_recorded and (problem := wrong_lesson(notebook, path)):
+            name = None
+        tasks.append((str(path), data.decode(errors="replace"), references.get(name) if name else None,
+                      cell_timeout, notebook_timeout, problem))
+    results = _grade_all(tasks, jobs, watched)
     rows = [row for i in sorted(results) for row in results[i].rows]
-    _put_back_changed(submissions)
     if len(tasks) > 1:
         passed = sum(1 for row in rows if row[2] == "PASS")
         print(f"{len(tasks)} notebooks graded: {passed} of {sum(r.exercises for r in results.values())} exercises passed")
@@ -269,20 +349,7 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
         except OSError as error:
             raise UserError(f"{csv_path}: cannot write the gradebook ({error.strerror})") from None
         print(f"gradebook: {csv_path}")
+    if junit_path is not None:
+        _write_junit(junit_path, rows)
+        print(f"JUnit report: {junit_path}")
     return _exit_status(rows)
-
-
-def _put_back_changed(submissions: list[tuple]) -> None:
-    """A submission's code may have written another submission's file by its absolute path: put the
-    file back as it was read (each was graded from what was read, before any ran)."""
-    for path, data, *_ in submissions:
-        try:
-            if path.read_bytes() == data:
-                continue
-        except OSError:
-            pass
-        try:
-            path.write_bytes(data)
-            print(f"put back {path}: a submission's code changed it while grading")
-        except OSError as error:
-            print(f"{path}: a submission's code changed it while grading, and it cannot be put back ({error.strerror})")

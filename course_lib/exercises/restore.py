@@ -11,6 +11,7 @@ first, so that whatever the learner's cells did to the module is gone.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,15 +54,34 @@ def load_references(folder: Path) -> dict[str, nbformat.NotebookNode]:
 
 def identify(notebook: nbformat.NotebookNode, path: Path, references: dict) -> str | None:
     """The exercise a submission is: by its metadata, else its file name, else the cell ids it shares."""
-    named = notebook.metadata.get(METADATA, {})
-    if isinstance(named, dict) and named.get("exercise") in references:
-        return named["exercise"]
+    if recorded_exercise(notebook) in references:
+        return recorded_exercise(notebook)
     if path.stem in references:
         return path.stem
     ids = {cell.get("id") for cell in notebook.cells} - {None}
     shared = {name: len(ids & {cell.get("id") for cell in ref.cells}) for name, ref in references.items()}
     best = max(shared, key=shared.get, default=None)
     return best if best and shared[best] and list(shared.values()).count(shared[best]) == 1 else None
+
+
+LESSON = re.compile(r"(\d\d)_")  # a lesson's number, at the start of its notebook's name
+
+
+def recorded_exercise(notebook: nbformat.NotebookNode) -> str | None:
+    """The exercise a notebook's metadata says it is (make-exercises records it), if any."""
+    named = notebook.metadata.get(METADATA, {})
+    return named.get("exercise") if isinstance(named, dict) and isinstance(named.get("exercise"), str) else None
+
+
+def wrong_lesson(notebook: nbformat.NotebookNode, path: Path) -> str:
+    """Why a notebook is not the lesson its file name says ("" when it is, or when either says no lesson):
+    e.g. lesson 0's exercise handed in as 07_the_rest_of_the_toolbox.ipynb."""
+    recorded, named = LESSON.match(recorded_exercise(notebook) or ""), LESSON.match(path.name)
+    if recorded and named and recorded.group(1) != named.group(1):
+        return (f"the wrong lesson: this is {recorded_exercise(notebook)}'s exercise, handed in as lesson "
+                f"{named.group(1)}'s; hand in lesson {named.group(1)}'s exercise (or grade it as what it is with "
+                "--as-recorded)")
+    return ""
 
 
 @dataclass

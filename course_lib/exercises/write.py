@@ -3,13 +3,17 @@
 exercises/.generated.json (the manifest) records, for each exercise, the fingerprint of what was
 generated (each cell's type and source). An exercise whose cells still have that fingerprint is
 regenerated; one a learner changed is kept unless `force=True`. Every solution is turned into its
-exercise before anything is written, and the manifest is saved after each exercise written.
+exercise before anything is written, and the manifest is saved after each exercise written. Each file
+is written whole or not at all (a temporary file renamed over it), so a killed run tears none; an
+exercise that is not a readable notebook (torn by an older version's killed write, say) stops the run
+before anything is written, unless `force=True`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import nbformat
@@ -42,6 +46,25 @@ def _generated(current: str, recorded: str | None) -> bool:
     try:
         return recorded == learner_fingerprint(nbformat.reads(current, as_version=4))
     except Exception:  # nbformat raises several kinds on a broken file: not what was generated
+        return False
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, renamed over it."""
+    temporary = path.with_name(f".{path.name}.writing")
+    temporary.write_text(text)
+    try:
+        os.replace(temporary, path)
+    except OSError as error:  # a folder where the file goes, say: report the file, leave nothing behind
+        temporary.unlink()
+        raise OSError(error.errno, error.strerror, str(path)) from None
+
+
+def _readable(text: str) -> bool:
+    try:
+        nbformat.reads(text, as_version=4)
+        return True
+    except Exception:  # nbformat raises several kinds on a broken file
         return False
 
 
@@ -81,6 +104,11 @@ def write_exercises(solutions_dir: str | Path = "solutions", exercises_dir: str 
     manifest_path = exercises_dir / MANIFEST
     manifest = _read_manifest(manifest_path)
     report = []
+    for target in made:
+        if not force and target.is_file() and not _readable(target.read_text(errors="replace")):
+            raise UserError(f"{target}: not a readable notebook (a write cut short?), so not what was generated nor "
+                            "a learner's work saved by Jupyter; nothing was written: move it away, or pass --force "
+                            "to write it again")
     try:
         exercises_dir.mkdir(parents=True, exist_ok=True)
         for target, exercise in made.items():
@@ -89,7 +117,7 @@ def write_exercises(solutions_dir: str | Path = "solutions", exercises_dir: str 
             if current == text:
                 report.append(f"unchanged {target}")
             elif current is None or force or _generated(current, manifest.get(target.name)):
-                target.write_text(text)
+                _write_whole(target, text)
                 report.append(f"{'wrote' if current is None else 'updated'} {target}")
             else:
                 report.append(f"kept {target}: it was edited since it was generated (your work?); "
@@ -97,7 +125,7 @@ def write_exercises(solutions_dir: str | Path = "solutions", exercises_dir: str 
                 continue
             if manifest.get(target.name) != (fingerprint := learner_fingerprint(exercise)):
                 manifest[target.name] = fingerprint
-                manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+                _write_whole(manifest_path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     except OSError as error:
         raise UserError(f"{error.filename or exercises_dir}: cannot write it ({error.strerror})") from None
     return report
