@@ -8,7 +8,7 @@ measured peak, time and recompute), `gradients` (the LoRA + reentrant trap), `de
 """
 
 from course_lib.checkpointing.apply import (AppliedPlan, apply_plan, checkpointed_forward, find_layer_stack,
-                                            hf_checkpointing)
+                                            hf_checkpointing, hf_has_every_n_layers)
 from course_lib.checkpointing.demo_models import (ARCHITECTURES, PointwiseBlock, ResidualMLP, mlp_stack,
                                                   tiny_decoder, uneven_stack)
 from course_lib.checkpointing.gradients import assert_gradients_flow
@@ -24,6 +24,7 @@ from course_lib.checkpointing.selective import (ATTENTION_OPS, LINEAR_OPS, MATMU
 
 __all__ = [
     "AppliedPlan", "apply_plan", "checkpointed_forward", "find_layer_stack", "hf_checkpointing",
+    "hf_has_every_n_layers",
     "ARCHITECTURES", "PointwiseBlock", "ResidualMLP", "mlp_stack", "tiny_decoder", "uneven_stack",
     "assert_gradients_flow",
     "PlanMeasurement", "default_plans", "format_tradeoff", "measure_plan", "measure_recompute",
