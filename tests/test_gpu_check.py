@@ -1,0 +1,154 @@
+"""The GPU check's driver and result files, on a CPU (benchmarks/gpu_check.sh, check_on_gpu.py,
+results_io.py, gpu_paging.py's oversubscription gate): what must hold before a GPU run is worth its
+minutes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import check_on_gpu  # noqa: E402
+import gpu_paging  # noqa: E402
+from results_io import read_json, write_json  # noqa: E402
+
+# the issue's order: the parts that do not page first, then the paging ones
+ORDER = ["smoke", "bf16-vs-fp16-matmul", "qlora-ablation-as-t4", "expandable-segments", "qlora-trainer",
+         "bandwidth-probe", "lesson-7-on-cuda", "lesson-6-on-cuda", "paging-demo", "paging-sweep",
+         "eviction-probe", "paging-spike"]
+PAGING = {"paging-demo", "paging-sweep", "eviction-probe", "paging-spike"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run")
+@pytest.mark.parametrize("oversubscribe", [False, True])
+def test_gpu_check_on_cpu_writes_every_part_in_order_marked(tmp_path, oversubscribe):
+    out = tmp_path / "check.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_CHECK_STARTED")}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--json", str(out),
+                           *(["--oversubscribe"] if oversubscribe else [])],
+                          capture_output=True, text=True, timeout=120, env={**env, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["oversubscribe"] is oversubscribe
+    assert list(report["parts"]) == ORDER
+    for name, part in report["parts"].items():
+        assert part["status"] == "skipped" and part["reason"] == "needs CUDA", part
+        assert part["oversubscribes"] is (oversubscribe and name in PAGING), name
+    assert 0 < report["seconds"] < report["budget_s"] == 420
+
+
+def test_the_budget_counts_from_the_scripts_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_CHECK_STARTED", str(time.time() - 1000))   # the wheel install took 1000 s
+    monkeypatch.delenv("OUT", raising=False)
+    check_on_gpu.main(["--json", str(tmp_path / "check.json")])
+    assert json.loads((tmp_path / "check.json").read_text())["seconds"] >= 1000
+
+
+def test_without_oversubscribe_no_part_oversubscribes():
+    for asked in (False, True):
+        plan = check_on_gpu.part_plan(asked)
+        assert [name for name, *_ in plan] == ORDER
+        for name, _, command, oversubscribes, skip in plan:
+            assert command[-1] == "--json"   # the figures' path goes last
+            assert ("--oversubscribe" in command) is (asked and "benchmarks/gpu_paging.py" in command)
+            assert oversubscribes is (asked and name in PAGING)
+            assert bool(skip) is (not asked and name in ("eviction-probe", "paging-spike")), name
+
+
+PART = """
+import sys, time
+sys.path.insert(0, {benchmarks!r})
+from results_io import write_json
+path = sys.argv[-1]
+{body}
+"""
+
+
+def _part(body: str) -> list[str]:
+    return [sys.executable, "-c", PART.format(benchmarks=str(ROOT / "benchmarks"), body=body), "--json"]
+
+
+def test_the_driver_goes_on_after_a_part_killed_mid_write(tmp_path):
+    torn = "f = open(path, 'w'); f.write('{\"rows\": [1, 2'); f.flush(); print('wrote half', flush=True); time.sleep(600)"
+    atomic = ("write_json(path, {'rows': [1]}); print('row 1', flush=True); "
+              "f = open(path + '.tmp', 'w'); f.write('{\"rows\": [1, '); f.flush(); time.sleep(600)")
+    plan = [("torn", 3, _part(torn), False, ""),
+            ("atomic-then-killed", 3, _part(atomic), False, ""),
+            ("writes-nothing", 30, _part("pass"), False, ""),
+            ("good", 30, _part("write_json(path, {'rows': [1, 2, 3]})"), False, ""),
+            ("skipped", 30, _part("pass"), True, "oversubscribes managed memory by design")]
+    report = {"parts": {}}
+    saved = []
+    check_on_gpu.run_parts(plan, report, time.time() + 300, tmp_path, lambda: saved.append(json.dumps(report)),
+                           on_cpu=False)
+    parts = report["parts"]
+    assert len(saved) == len(plan)
+    assert parts["torn"]["status"] == "timed out" and "wrote half" in parts["torn"]["output_tail"]
+    assert "unreadable" in parts["torn"]["figures_missing"] and "figures" not in parts["torn"]
+    assert parts["atomic-then-killed"]["status"] == "timed out"
+    assert parts["atomic-then-killed"]["figures"] == {"rows": [1]}   # the last whole write survives the kill
+    assert parts["writes-nothing"]["status"] == "ok" and "was not written" in parts["writes-nothing"]["figures_missing"]
+    assert parts["good"] == {**parts["good"], "status": "ok", "figures": {"rows": [1, 2, 3]}, "oversubscribes": False}
+    assert parts["skipped"] == {"budget_s": 30, "oversubscribes": True, "status": "skipped",
+                                "reason": "oversubscribes managed memory by design"}
+
+
+def test_a_part_that_would_start_with_under_10_s_left_is_skipped(tmp_path):
+    report = {"parts": {}}
+    check_on_gpu.run_parts([("late", 30, _part("pass"), False, "")], report, time.time() + 5, tmp_path,
+                           lambda: None, on_cpu=False)
+    assert report["parts"]["late"]["status"] == "skipped" and report["parts"]["late"]["reason"] == "out of time"
+
+
+def test_write_json_keeps_the_last_whole_file_when_a_write_fails(tmp_path):
+    path = tmp_path / "figures.json"
+    write_json(path, {"rows": [1]})
+    circular: dict = {}
+    circular["self"] = circular
+    with pytest.raises(ValueError, match="Circular"):
+        write_json(path, {"rows": [1, 2], "bad": circular})
+    assert read_json(path) == ({"rows": [1]}, "")
+    assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]   # no temporary file left
+
+
+def test_read_json_says_why_in_one_line(tmp_path):
+    data, why = read_json(tmp_path / "none.json")
+    assert data is None and "was not written" in why
+    (tmp_path / "torn.json").write_text('{"bandwidth": {"pinned_h2d": 1')
+    data, why = read_json(tmp_path / "torn.json")
+    assert data is None and "unreadable" in why and "\n" not in why
+
+
+def test_the_sweep_reads_the_probes_rates(tmp_path):
+    rates = {"pinned_h2d": 2e10, "um_prefetch_h2d": 1e10, "um_host_fault_d2h": 5e9}
+    write_json(tmp_path / "probe.json", {"bandwidth": rates})
+    assert gpu_paging.read_rates(tmp_path / "probe.json") == rates
+    write_json(tmp_path / "crashed.json", {"bandwidth": {"status": "crashed"}})
+    assert gpu_paging.read_rates(tmp_path / "crashed.json") is None
+    (tmp_path / "torn.json").write_text('{"bandwidth": ')
+    assert gpu_paging.read_rates(tmp_path / "torn.json") is None
+
+
+def test_the_paging_rows_that_oversubscribe_are_the_ones_that_page():
+    from course_lib import offload
+
+    capacity = 4 * 2**30
+    shape = offload.demo_shape(capacity)
+    over = {name: gpu_paging.oversubscribes(name, capacity, shape) for name in offload.DEMO_OPTIMIZERS}
+    # the demo's claim that paged 32-bit state pages is exactly why it may not run on the lent machine
+    assert offload.demo_claims(offload.demo_margins(capacity, shape))["paged_adamw_32bit pages"]
+    assert over == {"adamw": False, "adamw_8bit": False, "paged_adamw_32bit": True, "paged_adamw_8bit": False,
+                    "cpu_offload_adamw": False}
+    # the sweep: only 1.6x the capacity stays under it; the spike's paged rows page at the long batch
+    assert [gpu_paging.oversubscribes("paged_adamw_32bit", int(capacity * f), shape) for f in (1.6, 1.0, 0.8)] \
+        == [False, True, True]
+    plan = offload.spike_plan(capacity, shape)
+    assert gpu_paging.oversubscribes("paged_adamw_32bit", plan["capacity"], shape, max(plan["tokens"]))
+    assert not gpu_paging.oversubscribes("adamw_32bit", plan["capacity"], shape, max(plan["tokens"]))
