@@ -16,8 +16,10 @@ ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)  # JupyterLab refuses
 # constraints-floors.txt), in a venv of their own that resolves its own tokenizers and
 # huggingface-hub, on a stated part of the suite: every lesson notebook, the planner's trace (memory,
 # trace_compose), hf_checkpointing (checkpointing_apply) and the Trainer path (accumulation_trainer,
-# qlora). transformers 5.17 (the lent GPU machine's) lies between these floors and constraints.txt's.
-FLOORS := .venv-floors
+# qlora). transformers 5.17 (the lent GPU machine's) lies between these floors and constraints.txt's;
+# another set of versions runs the same way: make test-floors FLOORS=.venv-x FLOORS_CONSTRAINTS=x.txt
+FLOORS ?= .venv-floors
+FLOORS_CONSTRAINTS ?= constraints-floors.txt
 FLOORS_READY := $(FLOORS)/.ready
 FLOORS_TESTS := notebooks tests/test_memory.py tests/test_trace_compose.py tests/test_checkpointing_apply.py \
 	tests/test_accumulation_trainer.py tests/test_qlora.py
@@ -43,7 +45,7 @@ $(READY): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,lab]'
 	touch $@
 
-$(FLOORS_READY): pyproject.toml constraints-floors.txt
+$(FLOORS_READY): pyproject.toml $(FLOORS_CONSTRAINTS)
 	$(PYTHON) -m venv $(FLOORS)
-	$(FLOORS)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-floors.txt -e '.[dev]'
+	$(FLOORS)/bin/python -m pip install --quiet --disable-pip-version-check -c $(FLOORS_CONSTRAINTS) -e '.[dev]'
 	touch $@

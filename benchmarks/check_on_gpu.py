@@ -9,7 +9,7 @@ epoch; the wheel install included), or from this script's start when run alone. 
 page come first. Nothing asks for more managed (unified) memory than the card has free unless
 --oversubscribe is given: on a machine where that can hang the GPU (the lent one) the paging parts
 run only their rows that stay under the free memory, and the parts that oversubscribe by design are
-listed as skipped. Each part says in the JSON whether it oversubscribes.
+listed as skipped. Each part says in the JSON whether it oversubscribes (would, for a skipped one).
 
 On a machine without CUDA (or without torch) every part is reported as skipped, one line each, and
 the JSON says "device": "cpu".
@@ -86,14 +86,15 @@ def environment() -> dict:
 
 
 def part_plan(oversubscribe: bool) -> list[tuple[str, int, list[str], bool, str]]:
-    """(name, seconds, command, oversubscribes, why skipped or "") for every part, in order."""
+    """(name, seconds, command, oversubscribes, why skipped or "") for every part, in order: a part
+    that oversubscribes by design says so, and is skipped, without --oversubscribe."""
     plan = []
     for name, seconds, command, pages in PARTS:
         if PAGING_SCRIPT in command and oversubscribe:
             command = [*command[:-1], "--oversubscribe", command[-1]]
         skip = ("oversubscribes managed memory by design: only with --oversubscribe, on your own GPU"
                 if pages == "by design" and not oversubscribe else "")
-        plan.append((name, seconds, command, pages != "never" and oversubscribe, skip))
+        plan.append((name, seconds, command, pages == "by design" or (pages == "rows" and oversubscribe), skip))
     return plan
 
 
