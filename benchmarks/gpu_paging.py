@@ -111,18 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'PASS' if ok else 'FAIL'} {what}")
         save()
 
-    def run_rows(rows: list[dict], into: list[dict]) -> list[dict]:
-        """`offload.demo_row` of each row in its own process, saved after each; a row that would
-        oversubscribe runs only with --oversubscribe. `into` holds the results, in order."""
-        for row in rows:
-            over = oversubscribes(row["optimizer"], row["capacity"], shape, max(row.get("tokens_per_step") or [shape["tokens"]]))
-            if over and not args.oversubscribe:
-                into.append({**SKIPPED, "oversubscribes": True, "capacity": row["capacity"]})
-            else:
-                into.append({**offload.isolated_runs([row], timeout=max(1.0, deadline - time.monotonic()))[0],
-                             "oversubscribes": over})
-            save()
-        return into
+    def run_row(row: dict) -> dict:
+        """`offload.demo_row(**row)` in its own process, stopped before the part's limit, with whether it
+        oversubscribes; a row that does runs only with --oversubscribe (the caller saves the result)."""
+        over = oversubscribes(row["optimizer"], row["capacity"], shape, max(row.get("tokens_per_step") or [shape["tokens"]]))
+        if over and not args.oversubscribe:
+            return {**SKIPPED, "oversubscribes": True, "capacity": row["capacity"]}
+        return {**offload.isolated_runs([row], timeout=max(1.0, deadline - time.monotonic()))[0], "oversubscribes": over}
 
     print(f"emulating a {args.capacity_gib:g} GiB GPU; demo model {shape}")
     if "bandwidth" in parts:
@@ -155,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         results["demo"] = {"capacity": capacity, "shape": shape, "runs": runs,
                            "margins": offload.demo_margins(capacity, shape)}
         for name in offload.DEMO_OPTIMIZERS:
-            runs[name] = run_rows([{"optimizer": name, "shape": shape, "steps": args.steps, "capacity": capacity}], [])[0]
+            runs[name] = run_row({"optimizer": name, "shape": shape, "steps": args.steps, "capacity": capacity})
+            save()
         print(f"\ndemo at {args.capacity_gib:g} GiB, one process per row ({time.perf_counter() - t:.0f} s):")
         print(offload.runs_table(runs))
         check("plain AdamW runs out of memory under the cap", runs["adamw"].get("status") == "out of memory")
@@ -180,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if "sweep" in parts:
         rows = results["sweep"] = []
-        run_rows([{"optimizer": "paged_adamw_32bit", "shape": shape, "steps": args.steps,
-                   "capacity": int(capacity * f)} for f in (1.6, 1.0, 0.8)], rows)
+        for factor in (1.6, 1.0, 0.8):
+            rows.append(run_row({"optimizer": "paged_adamw_32bit", "shape": shape, "steps": args.steps,
+                                 "capacity": int(capacity * factor)}))
+            save()
         fits = rows[0]
         rates = results.get("bandwidth") or (read_rates(args.rates) if args.rates else isolate.run(
             "course_lib.paging.probe:measure_bandwidths", nbytes=256 * 2**20, timeout=60))
@@ -224,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         spike: dict = {}
         results["spike"] = {"plan": plan, "runs": spike}
         for label, name, flush in labels:
-            spike[label] = run_rows([{"optimizer": name, "shape": shape, "steps": len(tokens), "capacity": plan["capacity"],
-                                      "tokens_per_step": tokens, "empty_cache_after": list(flush)}], [])[0]
+            spike[label] = run_row({"optimizer": name, "shape": shape, "steps": len(tokens), "capacity": plan["capacity"],
+                                    "tokens_per_step": tokens, "empty_cache_after": list(flush)})
+            save()
         print(f"\nspike at {plan['capacity'] / GiB:.2f} GiB, tokens per step {tokens} (simulated claims "
               f"{plan['claims']}):")
         for label, run in spike.items():

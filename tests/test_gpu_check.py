@@ -153,3 +153,45 @@ def test_the_paging_rows_that_oversubscribe_are_the_ones_that_page():
     plan = offload.spike_plan(capacity, shape)
     assert gpu_paging.oversubscribes("paged_adamw_32bit", plan["capacity"], shape, max(plan["tokens"]))
     assert not gpu_paging.oversubscribes("adamw_32bit", plan["capacity"], shape, max(plan["tokens"]))
+
+
+def _fake_row(row: dict) -> dict:
+    """What offload.demo_row returns, without a GPU: plain AdamW runs out of memory, the rest complete."""
+    seconds = 0.1 * 2**32 / row["capacity"]   # slower on a smaller GPU, as paging makes it
+    steps = [{"seconds": seconds, "forward": 0.02, "backward": 0.04, "optimizer_step": 0.04, "allocated": 1,
+              "reserved": 2, "used": 3, "outside_allocator": 0}] * len(row.get("tokens_per_step") or [0] * row["steps"])
+    if row["optimizer"] in ("adamw", "adamw_32bit"):
+        return {"status": "out of memory", "error": "CUDA out of memory", "steps": steps[:2]}
+    return {"status": "ok", "steps": steps, "timeline": [], "capacity": row["capacity"]}
+
+
+@pytest.mark.parametrize("oversubscribe", [False, True])
+def test_gpu_paging_runs_a_row_that_oversubscribes_only_when_asked(tmp_path, monkeypatch, oversubscribe):
+    from course_lib import isolate, offload
+
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(offload, "isolated_runs", lambda rows, timeout=None: [ran.append(r) or _fake_row(r) for r in rows])
+    rates = {"pinned_h2d": 2e10, "pinned_d2h": 2e10, "um_prefetch_h2d": 1e10, "um_fault_h2d": 5e9,
+             "um_host_fault_d2h": 5e9}
+    monkeypatch.setattr(isolate, "run", lambda target, **kw: {"verdict": "allocation order"} if "eviction" in target
+                        else dict(rates))
+    out = tmp_path / "paging.json"
+    assert gpu_paging.main(["--json", str(out), *(["--oversubscribe"] if oversubscribe else [])]) == 0
+    results = json.loads(out.read_text())
+    capacity = results["capacity"]
+    paged_32 = [r["capacity"] for r in ran if r["optimizer"] == "paged_adamw_32bit"]
+    if oversubscribe:   # every row ran: 1 in the demo, 3 in the sweep, 2 in the spike
+        assert len(paged_32) == 6 and results["eviction_order"]["verdict"] == "allocation order"
+    else:               # only the sweep's 1.6x row stays under the free memory
+        assert paged_32 == [int(1.6 * capacity)]
+        assert results["demo"]["runs"]["paged_adamw_32bit"]["status"] == "skipped"
+        assert [r["status"] for r in results["sweep"]] == ["ok", "skipped", "skipped"]
+        assert results["eviction_order"]["status"] == "skipped"
+        assert {label: r["status"] for label, r in results["spike"]["runs"].items()} == {
+            "unpaged 32-bit": "out of memory", "paged, cache kept": "skipped", "paged, empty_cache": "skipped"}
+    assert results["demo"]["runs"]["paged_adamw_32bit"]["oversubscribes"] is True
+    assert results["demo"]["runs"]["paged_adamw_8bit"]["status"] == "ok"
+    assert results["demo"]["runs"]["paged_adamw_8bit"]["oversubscribes"] is False
+    assert results["sweep"][0]["simulated"]["step_s"] > 0   # the probe's rates reached the sweep
+    assert all(ok for what, ok in results["checks"]), results["checks"]
