@@ -1,6 +1,7 @@
 # The course's two commands (README, "Quick start"):
 #   make lab    set up .venv if needed, then open the course in JupyterLab
-#   make test   set up .venv if needed, then run the whole test suite (what CI runs)
+#   make test   set up .venv if needed, then run the whole test suite (what CI runs), then the floors'
+#               run (make test-floors)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,14 +12,29 @@ LAB_ARGS ?=
 # host's physical cores, not a container's share. `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)  # JupyterLab refuses root without it
+# The floors' run: the lowest transformers, accelerate and peft that pyproject.toml admits (Colab's:
+# constraints-floors.txt), in a venv of their own that resolves its own tokenizers and
+# huggingface-hub, on a stated part of the suite: every lesson notebook, the planner's trace (memory,
+# trace_compose), hf_checkpointing (checkpointing_apply) and the Trainer path (accumulation_trainer,
+# qlora). transformers 5.17 (the lent GPU machine's) lies between these floors and constraints.txt's;
+# another set of versions runs the same way: make test-floors FLOORS=.venv-x FLOORS_CONSTRAINTS=x.txt
+FLOORS ?= .venv-floors
+FLOORS_CONSTRAINTS ?= constraints-floors.txt
+FLOORS_READY := $(FLOORS)/.ready
+FLOORS_TESTS := notebooks tests/test_memory.py tests/test_trace_compose.py tests/test_checkpointing_apply.py \
+	tests/test_accumulation_trainer.py tests/test_qlora.py
 
-.PHONY: lab test exercises
+.PHONY: lab test test-floors exercises
 
 lab: $(READY)
 	$(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_measuring_memory.ipynb $(ROOT_ARGS) $(LAB_ARGS)
 
 test: $(READY)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(MAKE) test-floors
+
+test-floors: $(FLOORS_READY)
+	$(FLOORS)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(FLOORS_TESTS)
 
 exercises: $(READY)
 	$(BIN)/course-lib make-exercises
@@ -27,4 +43,9 @@ exercises: $(READY)
 $(READY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,lab]'
+	touch $@
+
+$(FLOORS_READY): pyproject.toml $(FLOORS_CONSTRAINTS)
+	$(PYTHON) -m venv $(FLOORS)
+	$(FLOORS)/bin/python -m pip install --quiet --disable-pip-version-check -c $(FLOORS_CONSTRAINTS) -e '.[dev]'
 	touch $@

@@ -7,13 +7,13 @@ Each notebook runs in a new kernel of this Python (course_lib.exercises.run.run_
 grader's runner), started in the notebook's folder as on a learner's machine; nothing is written
 back. benchmarks/gpu_check.sh runs it with a time budget, which its driver passes in
 GPU_CHECK_PART_SECONDS: the notebooks are stopped 30 s before it (a kernel starting included), so that
-what ran comes back. On a CPU it prints one line.
+what ran comes back; the JSON is rewritten, atomically, after each notebook. On a CPU it prints one
+line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_lessons.py needs a CUDA GPU (it runs the lessons' %%gpu_only cells); on a CPU the tests run the lessons")
         return 0
+    from results_io import write_json
+
     results: dict = {}
     deadline = time.monotonic() + float(os.environ.get("GPU_CHECK_PART_SECONDS", "inf")) - 30
     for path in args.notebooks:
@@ -77,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  %%gpu_only cell {cell['cell']}: {cell['error'] or 'ran'}\n    " +
                   "\n    ".join(cell["printed"].strip().splitlines()[-12:]))
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=1))
+            write_json(args.json, results)
     return 0
 
 

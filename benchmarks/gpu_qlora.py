@@ -13,11 +13,14 @@ Parts:
   are not run; a row that runs out of memory or crashes says so);
 - precision: the reason a T4 trains in fp16: measured matmul TFLOP/s in fp32, fp16 and bf16;
 - trainer: a short Hugging Face Trainer run (the loss must fall, every LoRA parameter a gradient);
-- expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and :True, a fresh process each,
-  peak allocated and reserved of the training step alone.
+- expandable: expandable_segments:False and :True, a fresh process each, set in PYTORCH_ALLOC_CONF
+  (which torch >= 2.9 reads first) and PYTORCH_CUDA_ALLOC_CONF, peak allocated and reserved of the
+  training step alone.
 `--as-t4` runs the T4's recipe on a larger GPU: fp16 autocast + GradScaler, the allocator capped at
-15 GiB. The numbers go to --json after every part (default $OUT/gpu_qlora[_t4].json when $OUT is set).
-benchmarks/gpu_check.sh runs each part with a time budget. On a CPU it prints one line.
+15 GiB. None of them asks for more managed memory than a few MiB per paged optimizer state (LoRA's).
+The numbers go to --json after every row, atomically (default $OUT/gpu_qlora[_t4].json when $OUT is
+set). benchmarks/gpu_check.sh runs each part with a time budget (GPU_CHECK_PART_SECONDS: a row's
+process is stopped 5 s before it). On a CPU it prints one line.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PARTS = ("smoke", "ablation", "precision", "trainer", "expandable")
 
 
-def smoke() -> dict:
-    """Thirty seconds that say whether the rest can work: imports, a paged tensor, a tiny QLoRA step."""
+def smoke(out: dict, save) -> None:
+    """Thirty seconds that say whether the rest can work: imports, a paged tensor, a tiny QLoRA step;
+    `out` filled and `save()` called after each."""
     import torch
     import bitsandbytes as bnb
     import peft
@@ -45,18 +49,19 @@ def smoke() -> dict:
     from course_lib import qlora
     from course_lib.paging import probe
 
-    out = {"versions": {m.__name__: m.__version__ for m in (torch, transformers, peft, bnb)},
-           "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
-           "capability": list(torch.cuda.get_device_capability())}
+    out.update(versions={m.__name__: m.__version__ for m in (torch, transformers, peft, bnb)},
+               cuda=torch.version.cuda, device=torch.cuda.get_device_name(),
+               capability=list(torch.cuda.get_device_capability()))
+    save()
     paged = probe.managed_buffer(8 * 2**20)
     out["paged_fill_s"] = probe.gpu_touch(paged)
     out["paged_prefetch_s"] = probe.gpu_prefetch(paged)
     out["paged_bytes_read_back"] = int(paged[:4096].sum())   # 4096: fill wrote ones, the host reads them
+    save()
     t = time.perf_counter()
     row = qlora.measure_recipe(qlora.tiny_llama_config(), qlora.Recipe(seq=32, accum=1), "cuda")
     out["tiny_qlora"] = {"status": row.status, "measured_peak": row.measured_peak, "predicted_peak": row.predicted_peak,
                          "error": row.error, "seconds": time.perf_counter() - t}
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,19 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_qlora.py needs a CUDA GPU (the 1B-class configuration); on a CPU run the lesson 5 notebook")
         return 0
-    from course_lib import qlora
+    from course_lib import isolate, qlora
     from course_lib.measure import format_bytes
+    from results_io import write_json
+
+    deadline = time.monotonic() + float(os.environ.get("GPU_CHECK_PART_SECONDS", "inf")) - 5
 
     parts = PARTS if args.part == "all" else (args.part,)
     results: dict = {"as_t4": args.as_t4, "seq": args.seq, "accum": args.accum}
 
     def save() -> None:
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=1, default=str))
+            write_json(args.json, results)
 
     if "smoke" in parts:
-        results["smoke"] = smoke()
+        smoke(results.setdefault("smoke", {}), save)
         print(json.dumps(results["smoke"], indent=1, default=str))
         save()
     config = qlora.llama_1b_config()
@@ -111,11 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         print("matmul TFLOP/s (measured): " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
         save()
     if "trainer" in parts:
-        from course_lib import isolate
-
         folder = str(qlora.checkpoint_dir(config))
         run = isolate.run("course_lib.qlora.gpu_rows:train_row", config_dir=folder, seq=128, accum=4, max_steps=15,
-                          as_t4=args.as_t4)
+                          as_t4=args.as_t4, timeout=max(1.0, deadline - time.monotonic()))
         results["trainer"] = run
         if run.get("status") == "ok":
             print(f"Trainer, 15 steps (measured): loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f} in "
@@ -124,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Trainer run: {run}")
         save()
     if "expandable" in parts:
-        effect = qlora.expandable_segments_effect("1b", args.seq, args.accum, as_t4=args.as_t4)
-        results["expandable_segments"] = effect
+        folder = str(qlora.checkpoint_dir(config))
+        effect = results["expandable_segments"] = {}
+        for value in ("False", "True"):   # as qlora.expandable_segments_effect, saved after each
+            setting = f"expandable_segments:{value}"
+            effect[value] = isolate.run("course_lib.qlora.gpu_rows:expandable_row", config_dir=folder, seq=args.seq,
+                                        accum=args.accum, as_t4=args.as_t4, timeout=max(1.0, deadline - time.monotonic()),
+                                        env={"PYTORCH_ALLOC_CONF": setting, "PYTORCH_CUDA_ALLOC_CONF": setting})
+            save()
         print("expandable_segments, the training step alone (measured, a fresh process each):")
         for value, peaks in effect.items():
             if peaks.get("status") != "ok":

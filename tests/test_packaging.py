@@ -46,6 +46,21 @@ def test_dev_constraints_pin_the_cpu_torch_and_versions_the_ranges_accept():
         assert requirements[name].specifier.contains(version), f"constraints.txt pins {name} outside its range"
 
 
+def test_the_floors_run_pins_the_lowest_versions_the_ranges_admit():
+    """make test runs the lessons on constraints-floors.txt too: transformers, accelerate and peft at
+    pyproject.toml's floors (Colab's), and this machine's CPU torch."""
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)", (ROOT / "constraints-floors.txt").read_text(), re.MULTILINE))
+    assert pins["torch"] == "2.13.0"
+    requirements = by_name()
+    for name in ("transformers", "accelerate", "peft"):
+        floors = [Version(s.version) for s in requirements[name].specifier if s.operator == ">="]
+        assert floors == [Version(pins[name])], f"constraints-floors.txt pins {name} {pins[name]}, not its floor {floors}"
+        assert pins[name] == COLAB[name]
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^test: .*\n(\t.*\n)*\t\$\(MAKE\) test-floors$", makefile, re.MULTILINE)
+    assert re.search(r"^FLOORS_TESTS := notebooks ", makefile, re.MULTILINE)
+
+
 def test_environment_yml_lists_the_same_packages_and_bounds():
     environment = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda = {}

@@ -247,6 +247,12 @@ def apply_plan(model: nn.Module, plan, *, policy="full", stack: nn.Module | None
     return AppliedPlan(model, layers, plan, policy)
 
 
+def hf_has_every_n_layers(model: nn.Module) -> bool:
+    """Whether this transformers version takes `every_n_layers` (lesson 3, "the one-liner"): it
+    arrived with `activation_checkpointing_enable`, in transformers 5.23."""
+    return hasattr(model, "activation_checkpointing_enable")
+
+
 def hf_checkpointing(model: nn.Module, enable: bool = True, *, use_reentrant: bool = False,
                      every_n_layers: int = 1) -> None:
     """Hugging Face's one-liner, on any transformers version (lesson 3, "the one-liner").
