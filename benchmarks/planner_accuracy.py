@@ -2,7 +2,7 @@
 
 Builds real Hugging Face architectures from configs (GPT-2, Llama, Qwen2 and Gemma-2 layouts at
 tiny sizes so that a step takes well under a second on a CPU), runs real training steps under
-`course_lib.measure.measure_step` (the live-storage tracker: the true peak on the CPU), and prints
+`course_lib.measure.measure_step` (the CPU allocator's events: the true peak), and prints
 the planner's predicted peak beside the measured one, with `accelerate estimate-memory`'s "training
 with Adam" figure for the same model beside ours. Model-state categories (weights, gradients,
 optimizer state, master weights) are compared to the byte. After the matrix (the Trainer's loop),

@@ -263,3 +263,46 @@ def test_the_random_checkpoint_is_saved_once_for_every_process(config, tmp_path,
     monkeypatch.setattr(qlora.building, "_SAVED", {})          # as in a fresh process
     again = qlora.checkpoint_dir(config)
     assert again == first and first.parent == tmp_path and (again / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_a_shared_checkpoint_with_only_its_config_is_written_again_whole(config, tmp_path, monkeypatch):
+    """save_pretrained writes config.json before the weights: a process killed in between leaves a folder
+    that must not be trusted. A whole one is written beside it, then renamed over it."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("COURSE_LIB_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(qlora.building, "_SAVED", {})
+    torn = qlora.checkpoint_dir(config)
+    for weights in torn.glob("model*.safetensors*"):
+        weights.unlink()
+    monkeypatch.setattr(qlora.building, "_SAVED", {})
+    again = qlora.checkpoint_dir(config)
+    assert again == torn and any(again.glob("model*.safetensors*"))
+    assert not list(tmp_path.glob(".partial-*"))
+    AutoModelForCausalLM.from_pretrained(again)  # loads
+
+
+def test_the_skip_gate_counts_the_cuda_context_once(config, monkeypatch):
+    """CUDA's free memory is after the context: it is compared with the plan without its context."""
+    from course_lib.memory import GPU
+
+    row_of = {}
+    monkeypatch.setattr(qlora.measuring, "_measure", lambda *args, **kw: row_of.setdefault("ran", args[6]))
+    recipe = qlora.Recipe()
+    predicted = qlora.predict(config, recipe, T4, gpu=GPU("big", 2**40, (7, 5)))
+    peak = predicted.total - predicted.bytes["overhead"]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(peak / 0.9), 2**40))
+    assert qlora.measure_recipe(config, recipe, "cuda", gpu=GPU("big", 2**40, (7, 5)), policy=T4) == peak
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(0.9 * peak), 2**40))
+    skipped = qlora.measure_recipe(config, recipe, "cuda", gpu=GPU("big", 2**40, (7, 5)), policy=T4)
+    assert skipped.status == "predicted not to fit"
+
+
+def test_expandable_segments_children_get_the_setting_under_both_names(monkeypatch):
+    envs = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(qlora.gpu_rows, "checkpoint_dir", lambda config: "/nowhere")
+    monkeypatch.setattr(qlora.gpu_rows.isolate, "run", lambda target, **kw: envs.append(kw["env"]) or {})
+    qlora.expandable_segments_effect("tiny")
+    assert [env["PYTORCH_ALLOC_CONF"] for env in envs] == ["expandable_segments:False", "expandable_segments:True"]
+    assert all(env["PYTORCH_ALLOC_CONF"] == env["PYTORCH_CUDA_ALLOC_CONF"] for env in envs)

@@ -5,10 +5,12 @@ checkpoint; the NF4 base, prepare_model_for_kbit_training, checkpointing and LoR
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -50,21 +52,37 @@ def checkpoint_dir(config) -> Path:
 
     key = config.to_json_string()
     shared = os.environ.get("COURSE_LIB_CHECKPOINTS")
-    if shared and key not in _SAVED:
-        folder = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16]
-        if (folder / "config.json").exists():
-            _SAVED[key] = folder
-    if key not in _SAVED or not (_SAVED[key] / "config.json").exists():
-        folder = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16] if shared else \
-            Path(tempfile.mkdtemp(prefix="course_lib_qlora_"))
-        folder.mkdir(parents=True, exist_ok=True)
+    if shared and key not in _SAVED and _complete(Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16]):
+        _SAVED[key] = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16]
+    if key not in _SAVED or not _complete(_SAVED[key]):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with quiet():
-            model.save_pretrained(folder)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)  # saving edits its config
+        if shared:  # written whole, then renamed: a process killed halfway leaves no folder that looks done
+            folder = Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16]
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+            with quiet():
+                model.save_pretrained(partial)
+            try:
+                os.replace(partial, folder)
+            except OSError:  # another process got there first (its folder is whole) or left a torn one
+                if not _complete(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
+                    os.replace(partial, folder)
+                else:
+                    shutil.rmtree(partial, ignore_errors=True)
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="course_lib_qlora_"))
+            with quiet():
+                model.save_pretrained(folder)
         del model
         _SAVED[key] = folder
     return _SAVED[key]
+
+
+def _complete(folder: Path) -> bool:
+    """A saved checkpoint with its weights, not only the config.json that save_pretrained writes first."""
+    return (folder / "config.json").exists() and any(folder.glob("model*.safetensors*"))
 
 
 @contextlib.contextmanager

@@ -115,7 +115,7 @@ def expandable_row(config_dir: str, seq: int = 512, accum: int = 4, as_t4: bool 
         before = torch.cuda.memory_reserved()
         step()
         torch.cuda.synchronize()
-    return {"status": "ok", "setting": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    return {"status": "ok", "setting": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
             "allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved(),
             "reserved_before_step": before}
 
@@ -132,8 +132,14 @@ def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4
     config = llama_1b_config() if model == "1b" else tiny_llama_config()
     folder = str(checkpoint_dir(config))
     return {value: isolate.run("course_lib.qlora.gpu_rows:expandable_row", config_dir=folder, seq=seq, accum=accum,
-                               as_t4=as_t4, env={"PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{value}"})
+                               as_t4=as_t4, env=_alloc_conf(f"expandable_segments:{value}"))
             for value in ("False", "True")}
+
+
+def _alloc_conf(setting: str) -> dict[str, str]:
+    """The allocator setting under both names: torch >= 2.9 reads PYTORCH_ALLOC_CONF first and
+    PYTORCH_CUDA_ALLOC_CONF after it (c10/core/AllocatorConfig.h), so one alone can be overridden."""
+    return {"PYTORCH_ALLOC_CONF": setting, "PYTORCH_CUDA_ALLOC_CONF": setting}
 
 
 def matmul_rates(n: int = 4096, repeats: int = 20) -> dict[str, float]:

@@ -96,7 +96,10 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     predicted = predict(config, recipe, policy, gpu=gpu)
     predicted_peak = predicted.total - predicted.bytes["overhead"]
     label = label or recipe.describe()
-    if gpu is not None and predicted.total > 0.95 * min(gpu.memory_bytes, torch.cuda.mem_get_info(device)[0]):
+    # the card's memory against the whole plan; what CUDA says is free (the context already taken) against
+    # the plan without its CUDA context, which would otherwise count twice
+    if gpu is not None and (predicted.total > 0.95 * gpu.memory_bytes
+                            or predicted_peak > 0.95 * torch.cuda.mem_get_info(device)[0]):
         return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "predicted not to fit")
     try:
         return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak, weights)
