@@ -189,3 +189,61 @@ def test_the_output_check_catches_what_it_looks_for(tmp_path):
     nbformat.write(nb, tmp_path / "bad.ipynb")
     problems = committed_output_problems(tmp_path / "bad.ipynb")
     assert len(problems) == 3, problems
+
+
+# --- docs/myths.md: every measured number is in the output of the cells its row names ----------
+
+_NUMBER = re.compile(r"(?<![\w.,])(?:\d+\.\d+e[-+]?\d+|\d+e[-+]\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)(?![\w.]*\d)")
+_ANY_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def _myths_rows() -> list[list[str]]:
+    rows = []
+    for line in (ROOT / "docs" / "myths.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) == 4 and "../notebooks/" in cells[3]:
+            rows.append(cells)
+    return rows
+
+
+def _section_outputs(notebook: Path, heading: str) -> str:
+    """The text outputs of the code cells under a heading (its subsections included)."""
+    text, level = [], None
+    for cell in nbformat.read(notebook, 4).cells:
+        if cell.cell_type == "markdown":
+            for hashes, title in re.findall(r"^(#+) (.*)$", cell.source, re.M):
+                if title.strip() == heading:
+                    level = len(hashes)
+                elif level is not None and len(hashes) <= level:
+                    level = None
+        elif level is not None:
+            for output in cell.get("outputs", []):
+                value = output.get("text") or output.get("data", {}).get("text/plain", "")
+                text.append(value if isinstance(value, str) else "".join(value))
+    return "\n".join(text)
+
+
+def _printed(quoted: str, output: str) -> bool:
+    """The quoted number is printed, or is a printed number rounded to the digits it shows (1.7e-07 for
+    1.74e-07, 0.79 for 7.9e-01)."""
+    if quoted in output:
+        return True
+    value = float(quoted.replace(",", ""))
+    mantissa = quoted.split("e")[0].replace(",", "")
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    exponent = int(quoted.split("e")[1]) if "e" in quoted else 0
+    step = 10.0 ** (exponent - decimals)
+    return any(abs(float(found.replace(",", "")) - value) <= step / 2 * (1 + 1e-9)
+               for found in _ANY_NUMBER.findall(output) if found.strip("+-,"))
+
+
+@pytest.mark.parametrize("row", _myths_rows(), ids=lambda row: row[0][:50])
+def test_every_myths_number_is_printed_by_the_cells_it_names(row):
+    claim, verdict, number, where = row
+    notebook = ROOT / re.search(r"\(\.\./(notebooks/[^)]+)\)", where).group(1)
+    headings = re.findall(r'"([^"]+)"', where)
+    output = "\n".join(_section_outputs(notebook, heading) for heading in headings)
+    assert output, f"myths.md names sections of {notebook.name} with no output: {headings}"
+    measured = re.sub(r"\d+\.\d+\.\d+", "", re.sub(r"`[^`]*`", "", number))  # versions and code are no measurements
+    missing = [quoted for quoted in _NUMBER.findall(measured) if not _printed(quoted, output)]
+    assert not missing, f"{notebook.name}, {headings}: {missing} not in the output of those sections"
