@@ -18,6 +18,7 @@ from course_lib.checkpointing.optimal import all_plans, min_feasible_peak, optim
 from course_lib.checkpointing.plans import (PLAN_NAMES, Plan, PlanCost, StackModel, named_plan, plan_cost,
                                             segments_plan, validate_plan)
 from course_lib.checkpointing.profile import StackProfile, flop_counter, profile_stack
+from course_lib.layers import find_layer_stack  # infrastructure: lesson 3 teaches it, every floor uses it
 from course_lib.checkpointing.selective import (ATTENTION_OPS, LINEAR_OPS, MATMUL_OPS, POLICIES,
                                                 context_fn_for, korthikanti_policy, policy_name,
                                                 save_everything_policy, save_matmuls_policy)
