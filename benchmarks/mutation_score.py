@@ -53,7 +53,7 @@ MUTANTS = [
     m("device.bf16_from_sm90", "device.py", "if capability >= (8, 0):", "if capability > (8, 0):",
       "tests/test_device.py"),
     m("layers.shortest_stack", "layers.py", "return max(outermost, key=lambda item: len(item[1]))[1]",
-      "return min(outermost, key=lambda item: len(item[1]))[1]", "tests/test_layers.py"),
+      "return min(outermost, key=lambda item: len(item[1]))[1]", KILLS, "tests/test_layers.py"),
     # accumulation (lesson 2)
     m("accumulation.bf16_not_upcast", "accumulation/losses.py",
       "if logits.dtype in (torch.float16, torch.bfloat16):", "if logits.dtype == torch.float16:",

@@ -360,3 +360,15 @@ def test_a_submission_sharing_as_many_cell_ids_with_two_exercises_is_identified_
     references = {"00_a": notebook("x", "shared"), "01_b": notebook("y", "shared")}
     assert identify(notebook("shared", "mine"), Path("renamed.ipynb"), references) is None
     assert identify(notebook("shared", "x"), Path("renamed.ipynb"), references) == "00_a"
+
+
+# --- the layer finder: of two outermost stacks, the longer ---
+
+def test_the_longer_of_two_outermost_stacks_is_the_layer_stack():
+    from course_lib.layers import find_layer_stack
+
+    model = torch.nn.Module()
+    model.adapters = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+    model.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(5))
+    model.tail = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+    assert find_layer_stack(model) is model.blocks
