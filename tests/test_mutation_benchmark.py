@@ -26,3 +26,7 @@ def test_the_mutants_cover_every_package_of_course_lib_and_have_unique_ids():
     covered = {Path(mutant.file).parts[1] for mutant in mutation_score.MUTANTS}
     assert len(ids) == len(set(ids))
     assert packages <= covered, packages - covered
+
+
+def test_every_mutant_said_to_be_equivalent_is_one_of_the_mutants():
+    assert set(mutation_score.EQUIVALENT) <= {mutant.id for mutant in mutation_score.MUTANTS}
