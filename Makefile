@@ -14,14 +14,14 @@ TEST_WORKERS ?= 2
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)  # JupyterLab refuses root without it
 # The floors' run: the lowest transformers, accelerate and peft that pyproject.toml admits (Colab's:
 # constraints-floors.txt), in a venv of their own that resolves its own tokenizers and
-# huggingface-hub, on a stated part of the suite: every lesson notebook, the planner's trace (memory,
-# trace_compose), hf_checkpointing (checkpointing_apply) and the Trainer path (accumulation_trainer,
-# qlora). transformers 5.17 (the lent GPU machine's) lies between these floors and constraints.txt's;
+# huggingface-hub, on a stated part of the suite: every lesson notebook (lesson 1 plans with the
+# meta-device trace), the planner's trace composed (trace_compose), hf_checkpointing (checkpointing_apply)
+# and the Trainer path (accumulation_trainer, qlora). transformers 5.17 (the lent GPU machine's) lies between these floors and constraints.txt's;
 # another set of versions runs the same way: make test-floors FLOORS=.venv-x FLOORS_CONSTRAINTS=x.txt
 FLOORS ?= .venv-floors
 FLOORS_CONSTRAINTS ?= constraints-floors.txt
 FLOORS_READY := $(FLOORS)/.ready
-FLOORS_TESTS := notebooks tests/test_memory.py tests/test_trace_compose.py tests/test_checkpointing_apply.py \
+FLOORS_TESTS := notebooks tests/test_trace_compose.py tests/test_checkpointing_apply.py \
 	tests/test_accumulation_trainer.py tests/test_qlora.py
 
 .PHONY: lab test test-floors exercises

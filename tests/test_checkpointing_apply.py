@@ -296,7 +296,8 @@ def test_every_layer_saves_nothing_when_a_layer_stores_only_its_input():
     profile = profile_stack(model, loss_fn, [x])
     assert profile.saved_bytes == profile.input_bytes and all(profile.output_saved)
     none, every, sqrt = (measure_plan(model, loss_fn, [x], plan, profile=profile) for plan in ("none", "every-layer", "sqrt"))
-    assert every.measured_peak == none.measured_peak
+    # nothing saved but what apply_plan keeps to replay dropout exactly: one CPU RNG state per segment
+    assert every.measured_peak - none.measured_peak == 16 * torch.get_rng_state().untyped_storage().nbytes()
     assert sqrt.measured_peak < 0.7 * none.measured_peak
     for row in (none, every, sqrt):
         assert abs(row.error) <= 0.05, row
