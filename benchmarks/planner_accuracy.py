@@ -5,13 +5,16 @@ tiny sizes so that a step takes well under a second on a CPU), runs real trainin
 `course_lib.measure.measure_step` (the CPU allocator's events: the true peak), and prints
 the planner's predicted peak beside the measured one, with `accelerate estimate-memory`'s "training
 with Adam" figure for the same model beside ours. Model-state categories (weights, gradients,
-optimizer state, master weights) are compared to the byte. After the matrix (the Trainer's loop),
+optimizer state, master weights) are compared to the byte. The mixed rows train the master-copy recipe
+(`MasterWeightAdamW`); the amp rows the Trainer's (fp32 weights and AdamW, the forward under
+`torch.autocast("cpu")`, no GradScaler: its few scalars are not modelled). After the matrix (the Trainer's loop),
 `EXTRA_CASES`: the tutorials' loop (`--loop keep-outputs`) on each architecture, and GPT-2 where a
 recomputed layer's backward is the peak.
 
     .venv/bin/python benchmarks/planner_accuracy.py            # the whole matrix, a few minutes
     .venv/bin/python benchmarks/planner_accuracy.py --quick    # one sequence length, no LoRA
     .venv/bin/python benchmarks/planner_accuracy.py --toolbox  # only lesson 7's tricks (TOOLBOX_RECIPES)
+    .venv/bin/python benchmarks/planner_accuracy.py --recipe "amp-bf16 AdamW"  # one recipe's rows of the matrix
 
 The table in docs/planner_accuracy.md is this script's output.
 """
@@ -55,6 +58,9 @@ RECIPES = [
     ("fp32 AdamW", dict(precision="fp32", optimizer="adamw")),
     ("bf16 AdamW", dict(precision="bf16", optimizer="adamw")),
     ("mixed-bf16 AdamW", dict(precision="mixed-bf16", optimizer="adamw")),
+    # the Trainer's bf16=True / fp16=True: fp32 weights, fp32 AdamW, torch.autocast around the forward
+    ("amp-bf16 AdamW", dict(precision="amp-bf16", optimizer="adamw")),
+    ("amp-fp16 AdamW", dict(precision="amp-fp16", optimizer="adamw")),
     ("fp32 AdamW8bit", dict(precision="fp32", optimizer="adamw8bit")),
     ("LoRA r8, bf16 base", dict(precision="bf16", optimizer="adamw", lora_rank=8)),
 ]
@@ -152,7 +158,7 @@ def accelerate_estimate(config, precision: str) -> int:
 
     model = build_model(config, "meta", dtype=torch.float32)
     total, _largest = calculate_maximum_sizes(model)
-    usage = estimate_training_usage(total, "float32" if precision == "fp32" else "float16")
+    usage = estimate_training_usage(total, "float32" if precision in ("fp32", "amp-bf16", "amp-fp16") else "float16")
     return max(usage.values())
 
 
@@ -165,8 +171,10 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
     labels = ids.clone()
     kept = {}
 
-    def loss_fn():  # the forward; lesson 7: under offload hooks, or with the chunked loss
-        with HostOffload() if setup.offload_activations else contextlib.nullcontext():
+    def loss_fn():  # the forward (under autocast for amp-*, as the Trainer runs it); lesson 7: under offload
+        # hooks, or with the chunked loss
+        autocast = torch.autocast("cpu", dtype=setup.autocast_dtype) if setup.autocast_dtype else contextlib.nullcontext()
+        with HostOffload() if setup.offload_activations else contextlib.nullcontext(), autocast:
             if setup.chunked_loss is not None:
                 return chunked_causal_lm_loss(model, ids, labels, setup.chunked_loss)
             outputs = model(input_ids=ids, labels=labels, use_cache=False)
@@ -205,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one sequence length, first three recipes")
     parser.add_argument("--toolbox", action="store_true", help="only lesson 7's rows (its tricks)")
+    parser.add_argument("--recipe", action="append", choices=[label for label, _ in RECIPES],
+                        help="only the matrix's rows of this recipe (repeatable), e.g. 'amp-bf16 AdamW'")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     from transformers.utils import logging
@@ -212,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity_error()
     seqs = (128,) if args.quick else (64, 256)
     recipes = RECIPES[:3] if args.quick else RECIPES
+    if args.recipe:
+        recipes = [recipe for recipe in RECIPES if recipe[0] in args.recipe]
     # (name, architecture, config changes, seq, (label, setup fields), checkpointing, loop)
     cases = [] if args.toolbox else [(m, m, {}, s, recipe, ckpt, "trainer") for m in ARCHITECTURES for s in seqs
-                                     for recipe in recipes for ckpt in (False, True)] + EXTRA_CASES
-    if not args.quick:
+                                     for recipe in recipes for ckpt in (False, True)] + ([] if args.recipe else EXTRA_CASES)
+    if not (args.quick or args.recipe):
         cases += [(m, m, {}, TOOLBOX_SEQ, (label, fields), ckpt, "trainer") for m in ARCHITECTURES
                   for label, fields, ckpt in TOOLBOX_RECIPES]
     rows, start = [], time.perf_counter()

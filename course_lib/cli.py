@@ -131,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", nargs="?", metavar="MODEL_OR_CONFIG",
                       help="a bundled model (e.g. llama-3.1-8b), a config.json or its folder; or use --params")
     plan.add_argument("--params", help="a raw parameter count, e.g. 7e9 (activations are then unknown)")
-    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16"),
-                      help="default: mixed-bf16, or mixed-fp16 on a GPU without bf16; the base's dtype for --quant")
+    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "amp-bf16", "amp-fp16"),
+                      help="bf16/fp16: pure 16-bit; mixed-*: 16-bit weights and gradients with an fp32 master copy "
+                           "(ZeRO/Megatron); amp-*: the Trainer's bf16=True/fp16=True, fp32 weights and gradients "
+                           "with torch.autocast. Default with --gpu: amp-bf16 (amp-fp16 on a GPU without bf16), "
+                           "the Trainer's; without --gpu or with --gpus: mixed-bf16 (mixed-fp16); the base's dtype "
+                           "for --quant")
     plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit",
                       "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
     plan.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R")

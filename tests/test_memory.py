@@ -409,3 +409,132 @@ def test_optimizer_temporaries_are_their_own_category_and_prepare_kbit_costs_mem
     trick = plan("llama-3.1-8b", memory.Setup(precision="mixed-fp16", batch=16, seq=512), gpu="t4").tricks[-1]
     assert "prepare_model_for_kbit_training" in trick.name and trick.setup.prepare_kbit
 
+
+
+# --- the Trainer's mixed precision (amp-*): fp32 weights and gradients, torch.autocast ------------
+
+def _autocast_cases():
+    """(name, call) pairs: each call takes (x, w, y) (x, w fp32, y bf16) and returns one tensor."""
+    F = torch.nn.functional
+    target = torch.zeros(4, dtype=torch.long)
+    return [
+        ("linear", lambda x, w, y: F.linear(x, w)), ("matmul", lambda x, w, y: torch.matmul(x, w.T)),
+        ("@", lambda x, w, y: x @ w.T), ("mm", lambda x, w, y: x.mm(w.T)),
+        ("bmm", lambda x, w, y: torch.bmm(x[None], w.T[None])),
+        ("addmm", lambda x, w, y: torch.addmm(w[:, 0], x, w.T)),
+        ("baddbmm", lambda x, w, y: torch.baddbmm(w[None, :4, :6], x[None], w.T[None])),
+        ("conv1d", lambda x, w, y: F.conv1d(x[None], w[:, :4, None])),
+        ("sdpa", lambda x, w, y: F.scaled_dot_product_attention(x[None], x[None], x[None])),
+        ("cross_entropy", lambda x, w, y: F.cross_entropy(y, target.to(y.device))),
+        ("mse_loss", lambda x, w, y: F.mse_loss(y, y)), ("prod", lambda x, w, y: torch.prod(y)),
+        ("pow", lambda x, w, y: torch.pow(y, 2)), ("**", lambda x, w, y: y ** 2), ("rsqrt", lambda x, w, y: y.rsqrt()),
+        ("softmax", lambda x, w, y: F.softmax(y, -1)), ("layer_norm", lambda x, w, y: F.layer_norm(y, (8,))),
+        ("silu", lambda x, w, y: F.silu(y)), ("tanh", lambda x, w, y: torch.tanh(y)), ("sum", lambda x, w, y: y.sum()),
+        ("exp", lambda x, w, y: y.exp()), ("embedding", lambda x, w, y: F.embedding(target.to(x.device), x)),
+        ("cat same", lambda x, w, y: torch.cat([y, y])), ("cat mixed", lambda x, w, y: torch.cat([x, y])),
+        ("add mixed", lambda x, w, y: x + y),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_meta_autocast_casts_each_op_as_cpu_autocast_does(dtype):
+    """The emulation on meta tensors gives every op the dtype that torch.autocast("cpu") gives it on real
+    ones, casts included (a cast op changes the dtype; an unlisted op keeps what it is given)."""
+    from course_lib.memory.autocast import MetaAutocast
+
+    def inputs(device):
+        torch.manual_seed(0)
+        return (torch.randn(4, 8, device=device), torch.randn(6, 8, device=device),
+                torch.randn(4, 8, device=device).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float16))
+
+    real = {}
+    for name, call in _autocast_cases():
+        with torch.autocast("cpu", dtype=dtype):
+            real[name] = call(*inputs("cpu")).dtype
+        with MetaAutocast(dtype, "cpu"):
+            emulated = call(*inputs("meta")).dtype
+        assert emulated == real[name], (name, emulated, real[name])
+    # the cases test something: matmuls are cast to 16 bits, losses to fp32, the rest keep their input's dtype
+    assert real["linear"] == real["@"] == dtype and real["cross_entropy"] == real["prod"] == torch.float32
+    assert real["tanh"] == real["layer_norm"] == dtype and real["embedding"] == torch.float32
+
+
+def test_meta_autocast_caches_one_copy_of_each_trained_weight_and_recasts_frozen_ones():
+    """autocast_mode.cpp's cached_cast: an fp32 leaf that requires grad is cast once per region."""
+    from course_lib.memory.autocast import MetaAutocast
+
+    copies = []
+    trained = torch.nn.Parameter(torch.randn(6, 8, device="meta"))
+    frozen = torch.randn(6, 8, device="meta")
+    x = torch.randn(4, 8, device="meta")
+    with MetaAutocast(torch.bfloat16, "cpu", copies.append) as autocast:
+        for _ in range(3):
+            torch.nn.functional.linear(x, trained)
+            torch.nn.functional.linear(x, frozen)
+        assert len(autocast.cache) == 1 and copies == [6 * 8 * 2]
+    assert not autocast.cache  # cleared when the region ends, as torch.autocast.__exit__ clears it
+
+
+def test_amp_keeps_fp32_weights_gradients_and_state_and_no_master_copy():
+    amp = plan(1000, precision="amp-bf16").bytes
+    mixed = plan(1000, precision="mixed-bf16").bytes
+    assert (amp["weights"], amp["gradients"], amp["optimizer_state"], amp["master_weights"]) == (4000, 4000, 8000, 0)
+    assert (mixed["weights"], mixed["gradients"], mixed["master_weights"]) == (2000, 2000, 4000)
+    assert Setup(precision="amp-fp16").weight_dtype == torch.float32 == Setup(precision="amp-bf16").weight_dtype
+    assert Setup(precision="amp-fp16").autocast_dtype == torch.float16 and Setup(precision="mixed-bf16").autocast_dtype is None
+
+
+def test_amp_trace_caches_a_16_bit_copy_of_every_linear_weight():
+    """Autocast casts the weights of the linear layers (the output layer too), not the embeddings or the
+    norms: 2 bytes for each of their parameters, held by the cache through the forward."""
+    config = _tiny_llama()
+    spec = spec_from_model(build_model(config), "tiny-llama", config)
+    trace = memory.trace_step(spec, Setup(precision="amp-bf16", batch=2, seq=96))
+    assert sum(trace.autocast_cached) + trace.autocast_cached_outside == \
+        2 * sum(p.numel for p in spec.params if p.module == "linear")
+    assert len(set(trace.autocast_cached)) == 1 and trace.autocast_cached_outside > 0  # each layer's, the output layer's
+
+
+@pytest.mark.parametrize("precision, checkpointing", [("amp-bf16", "none"), ("amp-bf16", "every-layer"),
+                                                      ("amp-fp16", "none"), ("amp-fp16", "every-layer")])
+def test_amp_plan_matches_a_measured_autocast_step_within_2_percent(precision, checkpointing):
+    """fp32 weights and AdamW, the forward under torch.autocast("cpu"), as the Trainer runs bf16=True."""
+    config = _tiny_llama()
+    setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
+    torch.manual_seed(0)
+    model = build_model(config, "cpu", dtype=setup.weight_dtype)
+    model.train()
+    if checkpointing != "none":
+        with warnings.catch_warnings():  # transformers 5.23 renames it activation_checkpointing_enable
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 2048, (2, 96))
+
+    def loss_fn():
+        with torch.autocast("cpu", dtype=setup.autocast_dtype):
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    measure_step(model, optimizer, loss_fn, [ids])
+    measured = measure_step(model, optimizer, loss_fn, [ids])
+    predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
+    assert predicted.bytes["weights"] == measured.parameters == 4 * predicted.n_params
+    assert predicted.bytes["gradients"] == measured.gradients
+    assert predicted.bytes["optimizer_state"] == measured.optimizer_state
+    assert abs(predicted.total - measured.peak) <= 0.02 * measured.peak, (predicted.total, measured.peak)
+    # the forward, where autocast's cache holds a copy of every weight (checkpointing or not), on its own
+    forward = predicted.bytes["weights"] + predicted.bytes["optimizer_state"] + predicted.detail["forward_peak"]
+    assert abs(forward - measured.phase_peaks["forward"]) <= 0.02 * measured.phase_peaks["forward"]
+    fp32 = plan(spec_from_model(build_model(config), "tiny-llama", config), replace(setup, precision="fp32"))
+    assert fp32.detail["forward_peak"] != predicted.detail["forward_peak"]  # autocast changes the activations
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(precision="amp-bf16", quant="nf4", lora_rank=8), "compute dtype; use --precision bf16"),
+    (dict(precision="amp-bf16", gpus=2), "plan autocast on one GPU"),
+])
+def test_amp_setups_the_planner_does_not_model_are_refused(options, message):
+    with pytest.raises(PlanError, match=message):
+        plan("gpt2", **options)
+    with pytest.raises(PlanError, match="no bf16 hardware: use amp-fp16"):
+        plan(1000, precision="amp-bf16", gpu="t4")

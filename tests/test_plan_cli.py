@@ -38,7 +38,7 @@ def test_a_bundled_model_on_a_gpu_gives_a_table_a_verdict_and_tricks(capsys):
     code, out, err = run(capsys, "llama-3.2-1b", "--gpu", "t4", "--batch", "4", "--seq", "1024")
     assert code == 0, err
     assert "GiB" in out and "does not fit on T4" in out and "What makes it fit" in out
-    assert "mixed-fp16" in out  # the T4 has no bf16: the default precision follows the GPU
+    assert "amp-fp16" in out  # the Trainer's fp16=True: the T4 has no bf16, the default precision follows the GPU
 
 
 def test_json_for_a_model_has_known_activations_and_the_fit(capsys):

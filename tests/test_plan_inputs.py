@@ -117,8 +117,12 @@ def test_offline_a_hub_id_says_how_to_pass_a_saved_config(capsys, monkeypatch):
 
 
 def test_the_python_api_picks_the_gpus_precision_like_the_cli():
-    assert plan("gpt2", gpu="t4", seq=64).setup.precision == "mixed-fp16"
-    assert plan("gpt2", gpu="a100-80gb", seq=64).setup.precision == "mixed-bf16"
+    """On a GPU target the Trainer's mixed precision (fp16=True on a T4, bf16=True on an A100); without a
+    GPU, or with --gpus, the master-copy recipe; a 4-bit base in its compute dtype."""
+    assert plan("gpt2", gpu="t4", seq=64).setup.precision == "amp-fp16"
+    assert plan("gpt2", gpu="a100-80gb", seq=64).setup.precision == "amp-bf16"
+    assert plan("gpt2", seq=64).setup.precision == "mixed-bf16"
+    assert plan("gpt2", gpu="a100-80gb", gpus=2, seq=64).setup.precision == "mixed-bf16"
     assert plan("gpt2", lora_rank=4, quant="nf4", seq=64).setup.precision == "bf16"
 
 

@@ -13,10 +13,11 @@ from course_lib.models import bundled_models, model_spec
 from course_lib.memory import trace as memory_trace
 from course_lib.memory.compose import composed_trace, layer_period, shallow_spec
 
-SETUPS = [  # (setup, target): full fine-tune; LoRA, eager attention, outputs kept; QLoRA, prepared base
+SETUPS = [  # (setup, target): full fine-tune; LoRA, eager attention, outputs kept; QLoRA, prepared base; amp
     (memory.Setup(precision="mixed-bf16", batch=2, seq=64), "cpu"),
     (memory.Setup(precision="fp16", lora_rank=8, batch=1, seq=48, attention="eager", loop="keep-outputs"), "cuda"),
     (memory.Setup(precision="bf16", lora_rank=4, quant="nf4", prepare_kbit=True, batch=3, seq=32), "cuda"),
+    (memory.Setup(precision="amp-bf16", batch=2, seq=32), "cuda"),  # the Trainer's autocast, CUDA's op lists
 ]
 
 

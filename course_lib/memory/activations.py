@@ -36,15 +36,18 @@ def step_extra(spec: ModelSpec, setup: Setup, states: ModelStates, trace, target
     n = len(trace.saved)
     chosen, held_change = checkpointing_changes(trace, setup)
     segments = chosen.plan
+    # amp: a checkpointed layer saves none of its weight copies, but autocast's cache holds them to the end
+    # of the forward all the same (not in backward: the cache is cleared when the forward's autocast ends)
+    cached = sum(sum(trace.autocast_cached[a:b]) for a, b in segments)
     grads = states.gradients
     if setup.accum > 1:  # gradients of earlier micro-batches are live throughout; new ones are added in
         largest_grad = max(math.prod(s) for s in states.trainable_shapes) * states.grad_itemsize
-        forward = grads + trace.forward_peak_without_grads + held_change
+        forward = grads + trace.forward_peak_without_grads + held_change + cached
         head = grads + trace.head_backward_peak_without_grads + held_change + largest_grad
         layers = grads + layers_backward_peak(trace, segments, with_grads=False) + largest_grad
         tail = grads + trace.tail_backward_peak_without_grads + largest_grad
     else:
-        forward = trace.forward_peak + held_change
+        forward = trace.forward_peak + held_change + cached
         head = trace.head_backward_peak + held_change
         layers = layers_backward_peak(trace, segments, with_grads=True)
         tail = trace.tail_backward_peak  # after the layers' backward: none of their activations is left

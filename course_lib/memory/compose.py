@@ -21,8 +21,8 @@ from course_lib.models import ModelSpec, transformers_config
 
 MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
 # the trace's per-layer tuples (periodic) and the quantities that do not depend on the depth
-PER_LAYER = ("saved", "inputs", "backward_climbs", "backward_climbs_with_grads", "layer_grads")
-CONSTANT = ("output", "saved_outside", "dequant_transient", "kept_outputs", "head_grads")
+PER_LAYER = ("saved", "inputs", "backward_climbs", "backward_climbs_with_grads", "layer_grads", "autocast_cached")
+CONSTANT = ("output", "saved_outside", "dequant_transient", "kept_outputs", "head_grads", "autocast_cached_outside")
 LINEAR = ("gradients", "offloaded")  # totals that grow by the same step with every period
 
 

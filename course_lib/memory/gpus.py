@@ -60,10 +60,15 @@ def get_gpu(name: str | GPU) -> GPU:
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise PlanError(f"unknown GPU {name!r}: {hint}known: {', '.join(GPUS)}")
 
-def default_precision(gpu: GPU | None, quant: str = "none") -> str:
-    """mixed-bf16, or mixed-fp16 on a GPU without bf16 hardware; the plain compute dtype for a 4-bit base."""
+def default_precision(gpu: GPU | None, quant: str = "none", gpus: int | None = None) -> str:
+    """The precision `course-lib plan` assumes (lesson 1): on a GPU target the Trainer's bf16=True, amp-bf16
+    (amp-fp16 on a GPU without bf16 hardware, lesson 5's T4 recipe); without a GPU, or with --gpus (data
+    parallelism and sharding are planned for it), the master-copy recipe, mixed-bf16 or mixed-fp16; the
+    plain compute dtype for a 4-bit base."""
     half = "bf16" if gpu is None or gpu.bf16 else "fp16"
-    return half if quant != "none" else f"mixed-{half}"
+    if quant != "none":
+        return half
+    return f"amp-{half}" if gpu is not None and gpus is None else f"mixed-{half}"
 
 
 def fit_verdict(total: int, gpu: GPU | None) -> str:

@@ -21,11 +21,11 @@ def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gp
     (then activations are unknown and counted as 0). `setup` or keyword options (see Setup).
     `gpu`: a catalog name; adds the CUDA context, a fit verdict and, when it does not fit, the
     tricks that make it fit. Without a setup or a precision, the precision is the GPU's, as
-    `course-lib plan` picks it (mixed-fp16 on a T4).
+    `course-lib plan` picks it (`default_precision`: amp-fp16 on a T4, the Trainer's fp16=True).
     """
     if setup is None and "precision" not in options:  # the GPU's precision, as `course-lib plan` picks it
         options["precision"] = default_precision(get_gpu(gpu) if gpu is not None else None,
-                                                 options.get("quant", "none"))
+                                                 options.get("quant", "none"), options.get("gpus"))
     setup = (setup or Setup())
     if options:
         unknown = set(options) - set(Setup.__dataclass_fields__)
@@ -62,7 +62,7 @@ def plan_from_cli(model: str | None, *, params: str | None = None, precision: st
                         if model is not None else "give a model (e.g. llama-3.1-8b, or a config.json) or --params N")
     card = get_gpu(gpu) if gpu is not None else None
     options = {key: value for key, value in options.items() if value is not None}
-    precision = precision or default_precision(card, options.get("quant", "none"))
+    precision = precision or default_precision(card, options.get("quant", "none"), options.get("gpus"))
     try:
         target = _parse_count(params) if params is not None else model_spec(model)
     except ModelNotFound as error:

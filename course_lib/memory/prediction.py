@@ -131,9 +131,10 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
     spec, n_params, name = _resolve(model)
     warned = _check_setup_for(spec, name, setup)
     cuda = card is not None
-    if setup.precision in ("bf16", "mixed-bf16") and card is not None and not card.bf16:
+    if setup.precision in ("bf16", "mixed-bf16", "amp-bf16") and card is not None and not card.bf16:
         raise PlanError(f"{card.name} (compute capability {card.compute_capability[0]}."
-                        f"{card.compute_capability[1]}) has no bf16 hardware: use fp16 or mixed-fp16")
+                        f"{card.compute_capability[1]}) has no bf16 hardware: use "
+                        + ("amp-fp16" if setup.autocast_dtype is not None else "fp16 or mixed-fp16"))
     if setup.quant != "none":
         if importlib.util.find_spec("bitsandbytes") is None:
             raise PlanError(f"--quant {setup.quant} needs bitsandbytes, which is not importable here: "
@@ -158,6 +159,11 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
             notes.append(f"{setup.precision} autocast re-casts the fp32 frozen weights that prepare_model_for_kbit_training "
                          f"made (the output layer) at every call: {format_bytes(detail['autocast_copies'])} of 16-bit "
                          "copies live from its forward to its backward")
+        if setup.autocast_dtype is not None:
+            copies = sum(trace.autocast_cached) + trace.autocast_cached_outside
+            notes.append(f"{setup.precision}: fp32 weights, gradients and optimizer state (no master copy); "
+                         f"torch.autocast computes in {setup.precision[4:]} and caches a copy of each trained weight "
+                         f"for the forward, saved for backward: {format_bytes(copies)} (in activations)")
         if supported_attention(spec.config, setup.attention) != setup.attention:
             notes.append(f"attention: eager, because transformers' {config_class_name(spec.config).replace('Config', '')} "
                          f"does not support {setup.attention} (eager stores the s x s attention scores)")

@@ -8,7 +8,7 @@ import torch
 
 from course_lib import checkpointing
 
-PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "amp-bf16", "amp-fp16")
 OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit",
               "adafactor", "lion")
 QUANTS = ("none", "nf4", "nf4-dq")
@@ -34,7 +34,11 @@ class Setup:
     optimizer: torch's "adamw" (foreach on CUDA, single-tensor on a CPU), "adamw_fused" (fused=True, the
     Trainer's adamw_torch_fused: no step temporaries), bitsandbytes' 8-bit and paged ones, ...
     precision: "fp32"; "bf16"/"fp16" (pure: weights, gradients and torch optimizer state in 16 bits);
-    "mixed-bf16"/"mixed-fp16" (16-bit weights and gradients, fp32 master weights and optimizer state).
+    "mixed-bf16"/"mixed-fp16": the master-copy recipe (ZeRO's and Megatron's): 16-bit weights and
+    gradients, fp32 master weights and optimizer state (2 + 2 + 4 + 8 bytes a parameter with AdamW);
+    "amp-bf16"/"amp-fp16": the Trainer's mixed precision (bf16=True / fp16=True, torch.autocast; lesson 5's
+    T4 recipe): fp32 weights, gradients and optimizer state, and autocast's 16-bit copies of the weights,
+    cached through the forward and saved for backward (`course_lib.memory.autocast`).
     adam_state: None (torch's rule: state in the dtype of the parameter it updates) or "fp32".
     lora_rank > 0 trains LoRA adapters (fp32, peft's default) on `lora_targets` and freezes the base;
     lora_dropout: peft's dropout on each adapter's input (0.0, peft's default; the QLoRA paper used
@@ -103,6 +107,9 @@ class Setup:
         if self.quant != "none" and self.precision.startswith("mixed"):
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
                             f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
+        if self.quant != "none" and self.autocast_dtype is not None:
+            raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base is planned in its "
+                            f"compute dtype; use --precision {self.precision.split('-')[1]}")
 
         _validate_sharding(self)
         try:
@@ -115,7 +122,12 @@ class Setup:
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype of the model's weights as stored on the device (the compute dtype for QLoRA)."""
-        return _DTYPES[self.precision.split("-")[-1]]
+        return torch.float32 if self.autocast_dtype is not None else _DTYPES[self.precision.split("-")[-1]]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype torch.autocast computes in ("amp-*" precisions), or None: no autocast."""
+        return _DTYPES[self.precision[4:]] if self.precision.startswith("amp-") else None
 
 
 def _validate_sharding(setup: Setup) -> None:
@@ -126,6 +138,10 @@ def _validate_sharding(setup: Setup) -> None:
         raise PlanError(f"unknown shard stage {setup.shard!r}: use one of {', '.join(SHARDS)}")
     if setup.shard != "none" and setup.gpus is None:
         raise PlanError(f"--shard {setup.shard} needs --gpus N: how many GPUs share the model states")
+    if setup.gpus is not None and setup.autocast_dtype is not None:
+        raise PlanError(f"--precision {setup.precision} with --gpus {setup.gpus}: data parallelism and sharding "
+                        "are planned for the master-copy recipe (mixed-bf16, mixed-fp16) and pure precisions; "
+                        "plan autocast on one GPU (no --gpus)")
     if setup.shard in ("zero2", "zero3") and setup.quant != "none":
         raise PlanError(f"--shard {setup.shard} with --quant {setup.quant}: FSDP of a 4-bit base is not modelled; "
                         "plan QLoRA on one GPU (no --gpus) or shard a 16-bit model")

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from course_lib.cache import cached
 from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
+from course_lib.memory.autocast import MetaAutocast
 from course_lib.memory.compose import composed_trace
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.states import model_states
@@ -68,8 +69,8 @@ class _MetaTracer(LiveStorageTracker):
         self._record(0)
 
 
-@contextmanager
-def _kernels_as_on(target: str):
+@contextlib.contextmanager
+def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
     """Make attention and dropout on meta tensors allocate what the real kernels would.
 
     `F.scaled_dot_product_attention` on meta would take the math path (an s x s score matrix). On the
@@ -77,7 +78,8 @@ def _kernels_as_on(target: str):
     fused kernels (flash, memory-efficient) keep the output and a float32 log-sum-exp, like the CPU
     flash kernel used here. A training `F.dropout` on meta, as on the CPU, multiplies by a noise tensor
     of the input's dtype, which backward keeps; on CUDA it is one fused kernel, `native_dropout`, that
-    keeps a 1-byte mask (aten/src/ATen/native/Dropout.cpp, `dropout`): asked for here.
+    keeps a 1-byte mask (aten/src/ATen/native/Dropout.cpp, `dropout`): asked for here. Under `autocast`
+    (the patched SDPA is no torch function its mode sees) the inputs are cast as autocast casts them.
     """
     original = torch.nn.functional.scaled_dot_product_attention
     original_dropout = torch.nn.functional.dropout
@@ -88,6 +90,9 @@ def _kernels_as_on(target: str):
         return original_dropout(input, p, training, inplace)
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if autocast is not None:
+            (query, key, value, attn_mask), _ = autocast.cast("scaled_dot_product_attention",
+                                                              (query, key, value, attn_mask), {})
         if query.device.type != "meta":
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
@@ -181,6 +186,10 @@ class Trace:
     layer_grads: tuple[int, ...] = ()
     head_grads: int = 0
     offloaded: int = 0  # offload_activations: bytes copied to host memory in forward (and back in backward)
+    # amp precisions: the weight copies autocast's cache keeps through the forward, made in each decoder
+    # layer (what checkpointing that layer does not free before backward) and outside them
+    autocast_cached: tuple[int, ...] = ()
+    autocast_cached_outside: int = 0
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
@@ -260,6 +269,12 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         return hook
 
     offload = HostOffload() if setup.offload_activations else None
+    cached = [0] * (len(layers) + 1)  # [n]: outside the layers
+
+    def on_cache(nbytes: int) -> None:
+        cached[len(layers) if current["layer"] is None else current["layer"]] += nbytes
+
+    autocast = None if setup.autocast_dtype is None else MetaAutocast(setup.autocast_dtype, target, on_cache)
 
     def pack(tensor):
         storage = tensor.untyped_storage()
@@ -317,11 +332,12 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     for tensor in [ids, *model.parameters(), *model.buffers()]:
         tracer.exclude(tensor)
     try:
-        with warnings.catch_warnings(), _kernels_as_on(target):
+        with warnings.catch_warnings(), _kernels_as_on(target, autocast):
             warnings.simplefilter("ignore")
             unpack = (lambda t: t) if offload is None else offload.unpack_hook
             with tracer, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                loss, outputs = traced_loss(model, ids, setup)
+                with autocast or contextlib.nullcontext():  # the Trainer's autocast: the forward and the loss
+                    loss, outputs = traced_loss(model, ids, setup)
                 kept = outputs.logits.untyped_storage().nbytes() \
                     if setup.loop == "keep-outputs" and outputs is not None else 0
                 if setup.loop == "trainer":
@@ -361,7 +377,8 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
         saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, backward_climbs=climbs,
         backward_climbs_with_grads=climbs_with_grads, layer_grads=layer_grads, head_grads=head_grads,
-        offloaded=0 if offload is None else offload.to_host, by_position=dict(tracer.position_peaks))
+        offloaded=0 if offload is None else offload.to_host, autocast_cached=tuple(cached[:-1]),
+        autocast_cached_outside=cached[-1], by_position=dict(tracer.position_peaks))
 
 
 def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
