@@ -2,8 +2,9 @@
 
 - `CheckFailed`: a wrong answer. Jupyter shows its hint as one short block: no traceback, so neither
   the check's source (which holds the other hints) nor this machine's paths.
-- `hints_only(check)`: a check whose failed asserts become `CheckFailed`, and whose other errors (the
-  learner's own code raising) show the learner's frames without the check's.
+- `hints_only(check)`: a check whose failed asserts become `CheckFailed`, the unanswered stub's
+  NotImplementedError the one line "not done yet", and whose other errors (the learner's own code
+  raising) show the learner's frames without the check's.
 - `refuse_reference(*references)` and `refusing(answer, *references)`: refuse an answer that only calls
   the library's own implementation of what the exercise asks (a module or package, or named functions
   or classes), the very thing the check compares the answer with. Name `course_lib` itself to refuse a
@@ -22,7 +23,9 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["CheckFailed", "hints_only", "refuse_reference", "refusing"]
+from course_lib.errors import NOT_DONE
+
+__all__ = ["CheckFailed", "NOT_DONE", "hints_only", "refuse_reference", "refusing"]
 
 _CHECKS_DIR = str(Path(__file__).resolve().parent)
 
@@ -59,6 +62,8 @@ def hints_only(check: Callable) -> Callable:
             raise
         except AssertionError as error:
             raise CheckFailed(str(error) or f"{check.__name__} failed") from None
+        except NotImplementedError:  # the stub the exercise starts with: one line, not a traceback
+            raise CheckFailed(NOT_DONE) from None
         except Exception as error:
             raise error.with_traceback(_without_check_frames(error.__traceback__)) from None
 

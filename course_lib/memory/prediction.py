@@ -49,6 +49,7 @@ class Plan:
     gpu: GPU | None = None
     tricks: list[Trick] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    closing: str = ""  # when no trick makes it fit: where it would fit (memory.elsewhere)
 
     @property
     def total(self) -> int:
@@ -72,7 +73,7 @@ class Plan:
             "fits": self.fits, "verdict": self.verdict(),
             "what_makes_it_fit": [{"trick": t.name, "saves_bytes": t.saves, "total_after": t.total_after,
                                    "fits_after": t.fits_after} for t in self.tricks],
-            "notes": list(self.notes),
+            "closing": self.closing, "notes": list(self.notes),
         }
 
     def rows(self) -> list[tuple[str, int]]:
@@ -111,6 +112,8 @@ class Plan:
                 saves = "needed by a later trick" if trick.saves is None else f"saves {trick.saves / GiB:6.2f} GiB"
                 lines.append(f"  {trick.name:<{width}} -> {trick.total_after / GiB:7.2f} GiB"
                              f"{'  fits' if trick.fits_after else '      '}   {saves}")
+        if self.closing:
+            lines.append(self.closing)
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
