@@ -16,35 +16,27 @@ ROOT = Path(__file__).resolve().parents[1]
 EXECUTED = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions") for p in (ROOT / folder).glob("*.ipynb"))
 ALL = sorted(EXECUTED + [p.relative_to(ROOT) for p in (ROOT / "exercises").glob("*.ipynb")])
 WIDTH = 110  # characters: a text table wider than this wraps its rows at 1280 px with the sidebar closed
-# Lessons 6 and 7 are being edited by another engineer (their wide tables, lesson 6's legend); the others
-# below still print wider lines (left for a follow-up: see the report of branch learner-view).
+# Lessons 6 and 7 are being edited by another engineer (their wide tables, lesson 6's legend): their
+# widths, and lesson 7's adjacent stream outputs, are left to that work; lesson 3 is waiting (below).
 NARROWED_ELSEWHERE = {"notebooks/06_sharding.ipynb": "lesson 6's tables: the sharding lessons' engineer",
-                      "notebooks/07_the_rest_of_the_toolbox.ipynb": "lesson 7's tables: the sharding lessons' engineer"}
-NOT_YET_NARROWED = {"notebooks/00_measuring_memory.ipynb", "notebooks/01_adam_memory.ipynb",
-                    "notebooks/02_gradient_accumulation.ipynb", "notebooks/03_gradient_checkpointing.ipynb",
-                    "notebooks/04_paged_optimizers.ipynb", "notebooks/05_qlora_on_a_t4.ipynb",
-                    "solutions/01_adam_memory.ipynb", "solutions/02_gradient_accumulation.ipynb",
-                    "solutions/03_gradient_checkpointing.ipynb", "solutions/04_paged_optimizers.ipynb",
-                    "solutions/05_qlora_on_a_t4.ipynb", "solutions/07_the_rest_of_the_toolbox.ipynb"}
+                      "notebooks/07_the_rest_of_the_toolbox.ipynb": "lesson 7's tables: the sharding lessons' engineer",
+                      # re-run here, lesson 3 measures 0.01 to 0.08 MiB more under checkpointing (at the branch's
+                      # base too), which turns a pinned claim False: narrowed once that is understood
+                      "notebooks/03_gradient_checkpointing.ipynb": "lesson 3 not re-executed: its peaks moved"}
 
 
 def _save_cases():
     for path in ALL:
-        reason = NARROWED_ELSEWHERE.get(path.as_posix()) if path.as_posix().endswith("07_the_rest_of_the_toolbox.ipynb") \
-            and path.parts[0] == "notebooks" else None
-        yield pytest.param(path, marks=[pytest.mark.xfail(strict=True, reason=f"{reason} (adjacent streams)")] * bool(reason),
-                           id=path.as_posix())
+        reason = NARROWED_ELSEWHERE.get(path.as_posix()) if path.name.startswith("07_") else None
+        marks = [pytest.mark.xfail(strict=True, reason=f"{reason} (adjacent stream outputs)")] if reason else []
+        yield pytest.param(path, marks=marks, id=path.as_posix())
 
 
 def _width_cases():
     for path in EXECUTED:
         name = path.as_posix()
-        if name in NARROWED_ELSEWHERE:
-            yield pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=NARROWED_ELSEWHERE[name]), id=name)
-        elif name in NOT_YET_NARROWED:
-            yield pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="not yet narrowed"), id=name)
-        else:
-            yield pytest.param(path, id=name)
+        marks = [pytest.mark.xfail(strict=True, reason=NARROWED_ELSEWHERE[name])] if name in NARROWED_ELSEWHERE else []
+        yield pytest.param(path, marks=marks, id=name)
 
 
 @pytest.mark.parametrize("path", list(_save_cases()))

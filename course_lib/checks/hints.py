@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import sys
 import threading
 import types
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from course_lib.course import wrapped
 from course_lib.errors import NOT_DONE
 
 __all__ = ["CheckFailed", "NOT_DONE", "hints_only", "refuse_reference", "refusing"]
@@ -35,6 +37,19 @@ class CheckFailed(AssertionError):
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead of a traceback
         return [f"\x1b[31mNot yet:\x1b[0m {self}"]
+
+
+def assert_byte_count(value, function: str) -> None:
+    """Fail with a hint unless `value` is a whole number (an int, not a string, a float or a bool): the
+    type is named, so that "168" is not shown as if it were the number 168 (lesson 0's exercises)."""
+    assert value is not None, f"{function} returned None: return the number of bytes"
+    assert isinstance(value, numbers.Integral) and not isinstance(value, bool), (
+        f"{function} returned {value!r}, a {type(value).__name__}: return the number of bytes as an int")
+
+
+def passed(message: str) -> None:
+    """Print a passed check's message, wrapped to the notebook's width (course_lib.course.TEXT_WIDTH)."""
+    print(wrapped(message))
 
 
 def _without_check_frames(traceback: types.TracebackType | None) -> types.TracebackType | None:
