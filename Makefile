@@ -54,4 +54,5 @@ $(FLOORS_READY): pyproject.toml $(FLOORS_CONSTRAINTS)
 # (apt-get install chromium; pip install playwright, which never downloads a browser here). Minutes long,
 # so not part of `make test` (CI's 20 minutes).
 browser-test: $(READY)
-	$(BIN)/python -m pytest -p no:randomly -n 0 browser/check_in_jupyterlab.py
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check 'playwright>=1.40'
+	$(BIN)/python -m pytest -n 0 browser/check_in_jupyterlab.py

@@ -38,6 +38,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium, or set CHROMIUM to its path")
     root = tmp_path_factory.mktemp("course")
     for folder in ("notebooks", "docs"):
         shutil.copytree(ROOT / folder, root / folder)
