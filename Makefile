@@ -24,7 +24,7 @@ FLOORS_READY := $(FLOORS)/.ready
 FLOORS_TESTS := notebooks tests/test_trace_compose.py tests/test_checkpointing_apply.py \
 	tests/test_accumulation_trainer.py tests/test_qlora.py
 
-.PHONY: lab test test-floors exercises
+.PHONY: lab test test-floors exercises browser-test
 
 lab: $(READY)
 	$(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_measuring_memory.ipynb $(ROOT_ARGS) $(LAB_ARGS)
@@ -49,3 +49,10 @@ $(FLOORS_READY): pyproject.toml $(FLOORS_CONSTRAINTS)
 	$(PYTHON) -m venv $(FLOORS)
 	$(FLOORS)/bin/python -m pip install --quiet --disable-pip-version-check -c $(FLOORS_CONSTRAINTS) -e '.[dev]'
 	touch $@
+
+# The course in a real browser (README, "Developing"): JupyterLab on 127.0.0.1 and the system's Chromium
+# (apt-get install chromium; pip install playwright, which never downloads a browser here). Minutes long,
+# so not part of `make test` (CI's 20 minutes).
+browser-test: $(READY)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check 'playwright>=1.40'
+	$(BIN)/python -m pytest -n 0 browser/check_in_jupyterlab.py

@@ -40,7 +40,7 @@ def _kernelspec(args: argparse.Namespace) -> int:
     from course_lib.exercises import set_kernelspecs
 
     for path in set_kernelspecs(args.folders):
-        print(f"kernel spec set: {path}")
+        print(f"rewritten as JupyterLab saves it: {path}")
     return 0
 
 
@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "grader could not start a kernel), and put their new rows in its place")
     grade.set_defaults(run=_grade)
 
-    kernelspec = commands.add_parser("kernelspec", help="give notebooks the kernel spec JupyterLab writes, so that "
-                                     "opening one changes nothing (for maintainers, after a merge)")
+    kernelspec = commands.add_parser("kernelspec", help="write notebooks as JupyterLab saves them, so that "
+                                     "opening and saving one changes nothing (for maintainers, after a merge)")
     kernelspec.add_argument("folders", nargs="*", default=["notebooks", "solutions"], metavar="FOLDER",
                             help="folders of notebooks (default: notebooks solutions)")
     kernelspec.set_defaults(run=_kernelspec)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 # The one place the repository is configured: badges and the Colab install read it from here.
@@ -21,6 +22,18 @@ if "google.colab" in sys.modules:
 %load_ext course_lib
 from course_lib.device import check_environment
 check_environment();"""
+
+
+# Characters a text output may take: wider, a table's rows wrap in JupyterLab at 1280 px with the
+# sidebar closed (tests/test_notebook_saving.py).
+TEXT_WIDTH = 110
+
+
+def wrapped(text: str, indent: str = "  ") -> str:
+    """`text` with each line longer than TEXT_WIDTH broken at spaces, its continuation lines indented."""
+    return "\n".join(textwrap.fill(line, TEXT_WIDTH, subsequent_indent=indent, break_long_words=False,
+                                    break_on_hyphens=False) if len(line) > TEXT_WIDTH else line
+                      for line in text.splitlines())
 
 
 def colab_url(path: str | Path) -> str:
@@ -44,7 +57,7 @@ def gpu_only(line: str, cell: str) -> None:
 
     reason = line.strip().strip("'\"") or "this cell needs a CUDA GPU"
     if not torch.cuda.is_available():
-        print(f"Skipped on CPU (no CUDA GPU): {reason}")
+        print(wrapped(f"Skipped on CPU (no CUDA GPU): {reason}"))
         return
     result = get_ipython().run_cell(cell)
     result.raise_error()

@@ -42,8 +42,19 @@ def test_the_learners_own_error_keeps_the_learners_frames_and_not_the_checks():
         checks.check_model_state_bytes(answer)
     files = [frame.filename for frame in traceback.extract_tb(raised.value.__traceback__)]
     assert __file__ in files and not any(f.startswith(CHECKS_DIR) and not f.endswith("hints.py") for f in files)
-    with pytest.raises(NotImplementedError):  # an unsolved exercise still says so
+    with pytest.raises(checks.CheckFailed) as raised:  # an unsolved exercise says so in one line
         checks.check_saved_bytes(lambda *a: (_ for _ in ()).throw(NotImplementedError()))
+    assert raised.value._render_traceback_() == [f"\x1b[31mNot yet:\x1b[0m {checks.NOT_DONE}"]
+
+
+def test_a_count_of_the_wrong_type_is_named_not_shown_as_a_number():
+    def as_text(model):
+        return str(8 * sum(p.numel() for p in model.parameters()))
+
+    with pytest.raises(CheckFailed, match=r"adam_state_bytes returned '\d+', a str: return the number of bytes as an int"):
+        checks.check_adam_state_bytes(as_text)
+    with pytest.raises(CheckFailed, match="a bool"):
+        checks.check_saved_bytes(lambda batch, widths: True)
 
 
 def test_hints_only_keeps_a_passing_checks_result():

@@ -15,6 +15,7 @@ from course_lib.accumulation.batches import batch_size, cast_batch, check_accumu
 from course_lib.accumulation.equivalence import DtypeComparison, _max_abs, _model_device, compare_accumulation
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss, default_loss
 from course_lib.accumulation.tiny_models import _groups
+from course_lib.course import wrapped
 from course_lib.measure import PlainTextTable
 
 
@@ -206,7 +207,7 @@ class RemedyReport(PlainTextTable):
 
     def notes(self) -> str:
         """What each remedy fixes and what it does not, one line each."""
-        return "\n".join(f"- {r.remedy}: fixes {r.fixes}; does not fix: {r.does_not_fix}" for r in self.rows)
+        return wrapped("\n".join(f"- {r.remedy}: fixes {r.fixes}; does not fix: {r.does_not_fix}" for r in self.rows))
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in ("remedy", "max rel grad diff", "running-stat diff",

@@ -6,7 +6,7 @@ not the check's source. `refuse_reference` (or `refusing`) lets a check refuse a
 calls the library's own implementation of what the exercise asks (hints.py).
 """
 
-from course_lib.checks.hints import CheckFailed, hints_only, refuse_reference, refusing  # noqa: F401
+from course_lib.checks.hints import NOT_DONE, CheckFailed, hints_only, refuse_reference, refusing  # noqa: F401
 from course_lib.checks.measuring import *  # noqa: F401,F403  lesson 0
 from course_lib.checks.adam import *  # noqa: F401,F403  lesson 1
 from course_lib.checks.accumulation import *  # noqa: F401,F403  lesson 2

@@ -18,6 +18,7 @@ import torch
 from course_lib.accumulation import (DDPReport, SampleLoss, TinyTokenLM, TokenLoss, concat_batches,
                                      max_weight_difference, padded_token_batches, regression_batches, tiny_mlp,
                                      train_whole_windows)
+from course_lib.checks.hints import passed
 
 __all__ = ["check_accumulate_gradients", "check_training_loop", "training_loop_problem", "check_ddp_accumulation"]
 
@@ -112,7 +113,7 @@ def check_accumulate_gradients(accumulate_gradients: Callable) -> None:
     else:
         raise AssertionError("a window in which every label is ignore_index has no valid token: its mean loss is "
                              "0/0. Raise ValueError with a clear message rather than returning NaN or 0.")
-    print("Correct: your accumulated gradients equal the whole window's, padding and empty micro-batches included.")
+    passed("Correct: your accumulated gradients equal the whole window's, padding and empty micro-batches included.")
 
 
 class _Probe:
@@ -306,7 +307,7 @@ def check_training_loop(train: Callable) -> None:
     found is raised as an AssertionError naming the mistake.
     """
     _check_training_loop(train)
-    print("Correct: your loop matches whole-window training in every scenario, with one step per window, "
+    passed("Correct: your loop matches whole-window training in every scenario, with one step per window, "
           "and synchronises once per window.")
 
 

@@ -17,7 +17,7 @@ from course_lib.accumulation import (SampleLoss, TinyTokenLM, TokenLoss, max_wei
                                      regression_batches, tiny_mlp, train_whole_windows)
 from course_lib.accumulation import loop as reference_loop
 from course_lib.checks.accumulation import WEIGHT_TOLERANCE, _Probe, _setup
-from course_lib.checks.hints import refuse_reference
+from course_lib.checks.hints import passed, refuse_reference
 
 __all__ = ["check_finish_window"]
 
@@ -111,5 +111,5 @@ def check_finish_window(finish_window: Callable) -> None:
     naming it.
     """
     _check_finish_window(finish_window)
-    print("Correct: your window ends step, clip and schedule as whole-window training does, and a step "
+    passed("Correct: your window ends step, clip and schedule as whole-window training does, and a step "
           "that GradScaler skipped moves neither the weights nor the learning rate.")

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 import course_lib
-from course_lib.checks.hints import refuse_reference
+from course_lib.checks.hints import passed, refuse_reference
 from course_lib.memory import BNB_QMAPS_BYTES, optimizer_state_bytes, plan
 
 __all__ = ["check_model_state_bytes", "check_adamw8bit_state_bytes"]
@@ -76,7 +76,7 @@ def check_model_state_bytes(model_state_bytes) -> None:
                 wrong = [f"{c} {got[c]:,} B ({got[c] / n:g} B/param), expected {expected[c]:,} ({expected[c] / n:g} "
                          "B/param)" for c in CATEGORIES if got[c] != expected[c]]
                 assert not wrong, f"{case}: " + "; ".join(wrong)
-    print("Correct: 16 bytes per parameter for mixed-precision Adam (2 + 2 + 8 + 4), and every other recipe.")
+    passed("Correct: 16 bytes per parameter for mixed-precision Adam (2 + 2 + 8 + 4), and every other recipe.")
 
 
 def _real_8bit_state(numel: int) -> int | None:
@@ -120,5 +120,5 @@ def check_adamw8bit_state_bytes(adamw8bit_state_bytes) -> None:
         assert got == expected, (f"numel={numel}: expected {expected} bytes "
                                  f"({expected / numel:.5f} B/param), got {got}")
     ratio = optimizer_state_bytes("adamw8bit", [2**20], 4) / 2**20
-    print(f"Correct: {ratio:.5f} bytes per parameter on a 1M tensor (2 + 8/256, plus the two 1 KiB qmaps); "
+    passed(f"Correct: {ratio:.5f} bytes per parameter on a 1M tensor (2 + 8/256, plus the two 1 KiB qmaps); "
           "small tensors fall back to 8.")

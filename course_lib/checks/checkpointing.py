@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from course_lib import checkpointing
-from course_lib.checks.hints import refusing
+from course_lib.checks.hints import passed, refusing
 from course_lib.checkpointing import all_plans, apply_plan, min_feasible_peak, mlp_stack, optimal_plan, plan_cost
 from course_lib.measure import MiB, measure_step
 
@@ -117,7 +117,7 @@ def check_checkpointed_forward(checkpointed_forward: Callable) -> None:
     assert peak <= 1.02 * ref, (
         f"measured: your sqrt plan peaks at {peak / MiB:.2f} MiB, the library's at {ref / MiB:.2f} MiB (no "
         f"checkpointing: {base / MiB:.2f} MiB). Does each segment keep only its input?")
-    print(f"Correct. Same loss and gradients as the plain forward on 5 plans and with dropout; each segment's "
+    passed(f"Correct. Same loss and gradients as the plain forward on 5 plans and with dropout; each segment's "
           f"layers ran twice. Measured on a 16-layer ReLU MLP: no checkpointing {base / MiB:.2f} MiB, your sqrt "
           f"plan {peak / MiB:.2f} MiB.")
 
@@ -193,5 +193,5 @@ def check_best_plan(best_plan: Callable[[list[int], list[int], int], list[tuple[
         assert seconds < 30, (f"best_plan took {seconds:.0f} s on 40 layers: memoise on (layer, memory held "
                               "so far) instead of trying every plan")
         checked += 1
-    print(f"Correct: your plans fit and recompute as little as brute force over every plan allows on {checked - 2} "
+    passed(f"Correct: your plans fit and recompute as little as brute force over every plan allows on {checked - 2} "
           "budgets, and as little as the library's DP on a 40-layer stack.")

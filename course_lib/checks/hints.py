@@ -2,8 +2,9 @@
 
 - `CheckFailed`: a wrong answer. Jupyter shows its hint as one short block: no traceback, so neither
   the check's source (which holds the other hints) nor this machine's paths.
-- `hints_only(check)`: a check whose failed asserts become `CheckFailed`, and whose other errors (the
-  learner's own code raising) show the learner's frames without the check's.
+- `hints_only(check)`: a check whose failed asserts become `CheckFailed`, the unanswered stub's
+  NotImplementedError the one line "not done yet", and whose other errors (the learner's own code
+  raising) show the learner's frames without the check's.
 - `refuse_reference(*references)` and `refusing(answer, *references)`: refuse an answer that only calls
   the library's own implementation of what the exercise asks (a module or package, or named functions
   or classes), the very thing the check compares the answer with. Name `course_lib` itself to refuse a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import sys
 import threading
 import types
@@ -22,7 +24,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["CheckFailed", "hints_only", "refuse_reference", "refusing"]
+from course_lib.course import wrapped
+from course_lib.errors import NOT_DONE
+
+__all__ = ["CheckFailed", "NOT_DONE", "hints_only", "refuse_reference", "refusing"]
 
 _CHECKS_DIR = str(Path(__file__).resolve().parent)
 
@@ -32,6 +37,19 @@ class CheckFailed(AssertionError):
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead of a traceback
         return [f"\x1b[31mNot yet:\x1b[0m {self}"]
+
+
+def assert_byte_count(value, function: str) -> None:
+    """Fail with a hint unless `value` is a whole number (an int, not a string, a float or a bool): the
+    type is named, so that "168" is not shown as if it were the number 168 (lesson 0's exercises)."""
+    assert value is not None, f"{function} returned None: return the number of bytes"
+    assert isinstance(value, numbers.Integral) and not isinstance(value, bool), (
+        f"{function} returned {value!r}, a {type(value).__name__}: return the number of bytes as an int")
+
+
+def passed(message: str) -> None:
+    """Print a passed check's message, wrapped to the notebook's width (course_lib.course.TEXT_WIDTH)."""
+    print(wrapped(message))
 
 
 def _without_check_frames(traceback: types.TracebackType | None) -> types.TracebackType | None:
@@ -59,6 +77,8 @@ def hints_only(check: Callable) -> Callable:
             raise
         except AssertionError as error:
             raise CheckFailed(str(error) or f"{check.__name__} failed") from None
+        except NotImplementedError:  # the stub the exercise starts with: one line, not a traceback
+            raise CheckFailed(NOT_DONE) from None
         except Exception as error:
             raise error.with_traceback(_without_check_frames(error.__traceback__)) from None
 

@@ -7,7 +7,7 @@ import copy
 import torch
 
 import course_lib
-from course_lib.checks.hints import refuse_reference
+from course_lib.checks.hints import assert_byte_count, passed, refuse_reference
 from course_lib.measure import measure_step
 
 __all__ = ["check_adam_state_bytes", "check_saved_bytes"]
@@ -61,14 +61,14 @@ def check_adam_state_bytes(adam_state_bytes) -> None:
         measured = measure_step(model, optimizer, lambda: model(x).sum(), inputs=[x]).optimizer_state
         with refuse_reference(course_lib, instead="predict it from the parameters' shapes and dtypes"):
             predicted = adam_state_bytes(model)
-        assert predicted is not None, "adam_state_bytes returned None: return the number of bytes"
+        assert_byte_count(predicted, "adam_state_bytes")
         hint = _adam_hint(predicted, measured, model)
         assert hint is None, f"{name}: {hint}"
         assert predicted == measured, (
             f"for {name} with {sum(p.numel() for p in model.parameters())} parameters AdamW allocated "
             f"{measured} bytes of state, you predicted {predicted}: exp_avg and exp_avg_sq take the parameter's "
             "dtype and shape")
-    print("Correct: your formula matches AdamW's real state on every model: fp32, bf16, fp16, tied and frozen.")
+    passed("Correct: your formula matches AdamW's real state on every model: fp32, bf16, fp16, tied and frozen.")
 
 
 def _mlp(widths: tuple[int, ...]) -> torch.nn.Sequential:
@@ -113,11 +113,11 @@ def check_saved_bytes(saved_bytes) -> None:
         measured = measure_step(model, None, lambda: model(x).sum(), inputs=[x]).saved_for_backward
         with refuse_reference(course_lib, instead="predict it from the layers' shapes"):
             predicted = saved_bytes(batch, widths)
-        assert predicted is not None, "saved_bytes returned None: return the number of bytes"
+        assert_byte_count(predicted, "saved_bytes")
         case = f"batch={batch}, widths={widths}"
         hint = _saved_hint(predicted, batch, widths)
         assert hint is None, f"{case}: {hint}"
         assert predicted == measured, (
             f"{case}: autograd saved {measured} bytes, you predicted {predicted}. Which tensors does each layer "
             "need for its backward? Weights are parameters, not saved activations.")
-    print("Correct: your count matches what autograd saved, to the byte, at every depth.")
+    passed("Correct: your count matches what autograd saved, to the byte, at every depth.")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from course_lib import paging
-from course_lib.checks.hints import refusing
+from course_lib.checks.hints import passed, refusing
 from course_lib.paging import MiB, chunk_migrations
 
 __all__ = ["check_allocation_order_wins", "check_migrated_bytes", "check_mru", "check_step3_prediction",
@@ -66,7 +66,7 @@ def check_migrated_bytes(migrated_bytes) -> None:
     migrated_bytes = _refusing(migrated_bytes)
     for policy in ("allocation", "lru"):
         _compare(migrated_bytes, policy)
-    print(f"Correct: your allocation-order and LRU policies match the simulator on {len(_traces())} traces each.")
+    passed(f"Correct: your allocation-order and LRU policies match the simulator on {len(_traces())} traces each.")
     cycle = list(range(10)) * 4
     for policy in ("allocation", "lru"):
         bytes_in, bytes_out = _call(migrated_bytes, cycle, 8, policy)
@@ -83,7 +83,7 @@ def check_mru(migrated_bytes) -> None:
     assert mru[0] < lru[0], (
         f"on the optimizer's cycle (10 chunks, room for 8) MRU should migrate less than LRU: got {mru[0]} "
         f"vs {lru[0]} bytes")
-    print(f"Correct: on a 10-chunk cycle with room for 8, LRU migrates {lru[0] // MiB} MiB, MRU "
+    passed(f"Correct: on a 10-chunk cycle with room for 8, LRU migrates {lru[0] // MiB} MiB, MRU "
           f"{mru[0] // MiB} MiB.")
 
 
@@ -103,7 +103,7 @@ def check_allocation_order_wins(trace_for) -> None:
             "it; make the chunk that LRU then evicts instead be the one you need next")
         if capacity == 2:
             shown = f"{accesses}: allocation {alloc_in // MiB} MiB, LRU {lru_in // MiB} MiB"
-    print(f"Correct: for capacities 2 to 8, allocation order migrates less than LRU on your traces. On capacity 2: "
+    passed(f"Correct: for capacities 2 to 8, allocation order migrates less than LRU on your traces. On capacity 2: "
           f"{shown}. The optimizer's cycle near the edge "
           "is this case (lesson 4, the cliff): chunks used again are not the ones needed next.")
 
@@ -144,5 +144,5 @@ def check_step3_prediction(predict) -> None:
     for key in want:
         assert int(got[key]) == want[key], (
             f"{key}: you predict {int(got[key]) // MiB} MiB migrated in step 3. Hint: {hints[key]}")
-    print(f"Correct: step 3 migrates {want['with empty_cache'] // MiB} MiB with empty_cache after the spike and "
+    passed(f"Correct: step 3 migrates {want['with empty_cache'] // MiB} MiB with empty_cache after the spike and "
           f"{want['without empty_cache'] // MiB} MiB without: the allocator's reserve decides (lesson 4).")

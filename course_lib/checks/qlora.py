@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from course_lib.checks.hints import passed
 from course_lib.measure import MiB, format_bytes
 from course_lib.qlora import TRICKS, Recipe, RecipeError, measure_recipe, predict, training_arguments
 
@@ -71,4 +72,4 @@ def check_fit_in_budget(fit_in_budget: Callable, config, budget_bytes: int, effe
     for hidden in HIDDEN_BUDGETS:
         if hidden != budget_bytes:
             lines.append(_check_one(fit_in_budget, config, hidden, effective_batch, seq, False, measured_peak))
-    print("OK, every trick needed and nothing over budget:\n  " + "\n  ".join(lines))
+    passed("OK, every trick needed and nothing over budget:\n  " + "\n  ".join(lines))

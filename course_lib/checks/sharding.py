@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from course_lib import memory
-from course_lib.checks.hints import refuse_reference
+from course_lib.checks.hints import passed, refuse_reference
 from course_lib.memory import Setup, plan
 from course_lib.memory.setup import SHARDS
 
@@ -37,7 +37,7 @@ def check_model_states_per_gpu(model_states_per_gpu) -> None:
                     f"{case}: expected {expected:,} bytes per GPU, got {got:,.0f}. Per parameter: 2 bytes of "
                     "16-bit weights, 2 of 16-bit gradients, K = 12 of optimizer states (fp32 master weights and "
                     "Adam's two moments); stage 1 divides K by N, stage 2 the gradients too, stage 3 everything")
-    print("Correct: 16, 4 + 12/N, 2 + 14/N and 16/N bytes per parameter, the ZeRO paper's Figure 1.")
+    passed("Correct: 16, 4 + 12/N, 2 + 14/N and 16/N bytes per parameter, the ZeRO paper's Figure 1.")
 
 
 def _fewest(model, setup: Setup, gpu: str, most: int) -> int | None:
@@ -80,4 +80,4 @@ def check_fewest_gpus(fewest_gpus) -> None:
         if expected == 1 and got > 1:
             raise AssertionError(f"{case}: it fits on one GPU already; start counting at 1, got {got}")
         assert got == expected, f"{case}: the fewest GPUs on which it fits is {expected}, got {got}"
-    print("Correct: the fewest GPUs for each stage; note how much sooner zero3 fits than zero1.")
+    passed("Correct: the fewest GPUs for each stage; note how much sooner zero3 fits than zero1.")

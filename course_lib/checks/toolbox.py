@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import toolbox
-from course_lib.checks.hints import refusing
+from course_lib.checks.hints import passed, refusing
 from course_lib.measure import MiB, optimizer_state_tensors, peak_bytes
 
 __all__ = ["check_optimizer_in_backward", "check_chunked_loss"]
@@ -74,7 +74,7 @@ def check_optimizer_in_backward(attach_optimizer_hooks) -> None:
     fused_peak = peak_bytes(lambda: fused(x).pow(2).mean().backward(), [*fused.parameters(), *state, x], _CPU)
     assert fused_peak < normal, (f"the measured peak with the step in backward ({fused_peak / MiB:.2f} MiB) is not "
                                  f"below the normal step's ({normal / MiB:.2f} MiB): free each gradient in its hook")
-    print(f"Correct: same weights as AdamW after 3 steps; measured peak {fused_peak / MiB:.2f} MiB against "
+    passed(f"Correct: same weights as AdamW after 3 steps; measured peak {fused_peak / MiB:.2f} MiB against "
           f"{normal / MiB:.2f} MiB for the normal step (measured, CPU).")
 
 
@@ -125,5 +125,5 @@ def check_chunked_loss(chunked_loss) -> None:
                               f"({logits / MiB:.1f} MiB; the plain loss peaks at {plain / MiB:.1f} MiB): run each "
                               "chunk's head and loss under torch.utils.checkpoint(..., use_reentrant=False) so "
                               "that backward recomputes its logits instead of keeping them all")
-    print(f"Correct: loss and gradients equal Hugging Face's; measured peak {chunked / MiB:.1f} MiB against "
+    passed(f"Correct: loss and gradients equal Hugging Face's; measured peak {chunked / MiB:.1f} MiB against "
           f"{plain / MiB:.1f} MiB for the plain loss (vocabulary 8192, 512 tokens, chunks of 64; measured, CPU).")

@@ -1,14 +1,18 @@
-"""The kernel spec JupyterLab writes into a notebook it saves, so that opening a committed notebook
-changes nothing (CONTRIBUTING.md, "A notebook").
+"""A notebook as JupyterLab saves it, so that opening and saving a committed notebook changes nothing
+(CONTRIBUTING.md, "A notebook"): the kernel spec JupyterLab writes, adjacent stream outputs of one name
+merged (JupyterLab's output area joins them when it opens a notebook), numbers as JavaScript writes
+them (`3.0` becomes `3`), and no stale widget state (only the models an output shows, and theirs).
 
-`course-lib kernelspec notebooks solutions` rewrites the kernel spec of every notebook in those
-folders (metadata only) and prints the ones it changed. Every notebook is read first: a folder without
+`course-lib kernelspec notebooks solutions` rewrites every notebook in those folders that way and
+prints the ones it changed. Every notebook is read first: a folder without
 notebooks, a notebook that cannot be read or one of an older format (which rewriting would convert) is
 a one-line error, and nothing is written.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -26,6 +30,59 @@ def jupyterlab_kernelspec() -> dict:
     return {"display_name": spec["display_name"], "language": spec["language"], "name": KERNEL_NAME}
 
 
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _js_number(text: str) -> int | float:
+    """A JSON number as JavaScript's JSON.parse keeps it: no integer/float distinction (3.0 is 3)."""
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 1e21 else value
+
+
+def _merged_streams(outputs: list[dict]) -> list[dict]:
+    merged: list[dict] = []
+    for output in outputs:
+        last = merged[-1] if merged else None
+        if output["output_type"] == "stream" and last and last["output_type"] == "stream" \
+                and last["name"] == output["name"]:
+            last["text"] = "".join(last["text"]) + "".join(output["text"])
+        else:
+            merged.append(output)
+    return merged
+
+
+def shown_widget_models(notebook: dict) -> set[str]:
+    """The widget models an output of `notebook` shows, and the models those refer to (children, layout,
+    style), as far as its saved widget state holds them (lesson 1's planner)."""
+    state = notebook.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    todo = [output["data"][WIDGET_VIEW]["model_id"] for cell in notebook["cells"] for output in cell.get("outputs", [])
+            if WIDGET_VIEW in output.get("data", {})]
+    shown: set[str] = set()
+    while todo:
+        model = todo.pop()
+        if model not in shown:
+            shown.add(model)
+            todo += re.findall(r"IPY_MODEL_(\w[\w-]*)", json.dumps(state.get(model, {})))
+    return shown
+
+
+def as_jupyterlab_saves(text: str) -> str:
+    """The notebook file `text` as JupyterLab would save it after opening it, stale widget state dropped."""
+    notebook = json.loads(text, parse_float=_js_number)
+    notebook["metadata"]["kernelspec"] = jupyterlab_kernelspec()
+    for cell in notebook["cells"]:
+        if "outputs" in cell:
+            cell["outputs"] = _merged_streams(cell["outputs"])
+    widgets = notebook["metadata"].get("widgets", {}).get(WIDGET_STATE)
+    if widgets is not None:
+        shown = shown_widget_models(notebook)
+        widgets["state"] = {model: value for model, value in widgets["state"].items() if model in shown}
+        if not widgets["state"]:
+            del notebook["metadata"]["widgets"]
+    return nbformat.writes(nbformat.from_dict(notebook), version=nbformat.NO_CONVERT) + "\n"
+
+
 def _read_notebook(path: Path) -> nbformat.NotebookNode:
     try:
         notebook = nbformat.reads(path.read_text(), as_version=nbformat.NO_CONVERT)
@@ -40,7 +97,7 @@ def _read_notebook(path: Path) -> nbformat.NotebookNode:
 
 
 def set_kernelspecs(folders: list[str]) -> list[Path]:
-    """Give every notebook in `folders` JupyterLab's kernel spec, once all are read; the ones changed."""
+    """Write every notebook in `folders` as JupyterLab saves it, once all are read; the ones changed."""
     found = []
     for folder in map(Path, folders):
         if not folder.is_dir():
@@ -53,11 +110,11 @@ def set_kernelspecs(folders: list[str]) -> list[Path]:
 
 
 def set_kernelspec(path: Path, notebook: nbformat.NotebookNode | None = None) -> bool:
-    """Give the notebook at `path` (read already: `notebook`) JupyterLab's kernel spec; True when the file
-    changed."""
-    notebook = _read_notebook(path) if notebook is None else notebook
-    if notebook.metadata.get("kernelspec") == jupyterlab_kernelspec():
+    """Write the notebook at `path` (read already: `notebook`) as JupyterLab saves it (`as_jupyterlab_saves`);
+    True when the file changed."""
+    text = nbformat.writes(_read_notebook(path) if notebook is None else notebook) + "\n"
+    saved = as_jupyterlab_saves(text)
+    if saved == path.read_text():
         return False
-    notebook.metadata["kernelspec"] = jupyterlab_kernelspec()
-    path.write_text(nbformat.writes(notebook) + "\n")
+    path.write_text(saved)
     return True

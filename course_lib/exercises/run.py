@@ -32,6 +32,8 @@ from jupyter_client.kernelspec import KernelSpec
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+from course_lib.errors import NOT_DONE
+
 
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
@@ -97,7 +99,7 @@ class NotebookRun:
 
 def _one_line(ename: str, evalue: str) -> str:
     if ename == "NotImplementedError":
-        return "not done yet: the exercise still raises NotImplementedError"
+        return NOT_DONE
     text = " ".join(str(evalue).split())
     return text if ename == "CheckFailed" else f"{ename}: {text}" if text else ename
 

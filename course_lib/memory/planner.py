@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 
+from course_lib.memory.elsewhere import where_it_fits
 from course_lib.memory.fit import what_makes_it_fit
 from course_lib.memory.gpus import GPU, default_precision, get_gpu
 from course_lib.memory.prediction import Plan, predict
@@ -37,6 +38,8 @@ def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gp
     result = predict(model, setup, card)
     if card is not None and suggest and not result.fits:
         result.tricks = what_makes_it_fit(model, setup, card, result)
+        if not (result.tricks and result.tricks[-1].fits_after):
+            result.closing = where_it_fits(model, setup, card, result.tricks)
     return result
 
 

@@ -7,6 +7,7 @@ import importlib.util
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from course_lib.course import wrapped
 from course_lib.measure import GiB, format_bytes
 from course_lib.memory.activations import step_extra
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, fit_verdict
@@ -49,6 +50,7 @@ class Plan:
     gpu: GPU | None = None
     tricks: list[Trick] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    closing: str = ""  # when no trick makes it fit: where it would fit (memory.elsewhere)
 
     @property
     def total(self) -> int:
@@ -72,7 +74,7 @@ class Plan:
             "fits": self.fits, "verdict": self.verdict(),
             "what_makes_it_fit": [{"trick": t.name, "saves_bytes": t.saves, "total_after": t.total_after,
                                    "fits_after": t.fits_after} for t in self.tricks],
-            "notes": list(self.notes),
+            "closing": self.closing, "notes": list(self.notes),
         }
 
     def rows(self) -> list[tuple[str, int]]:
@@ -104,15 +106,17 @@ class Plan:
                                                        if self.setup.shard == "zero2" and self.activations_known else ""))
         lines.append(self.verdict())
         if self.tricks:
-            lines.append("What makes it fit (exact tricks tried before lossy ones, none the final setup can do "
-                         "without): the peak with each trick and those above it, and what it saves in the final setup")
+            lines.append("What makes it fit (exact tricks tried before lossy ones, none the final setup can do without):\n"
+                         "the peak with each trick and those above it, and what it saves in the final setup")
             width = max(len(trick.name) for trick in self.tricks)
             for trick in self.tricks:
                 saves = "needed by a later trick" if trick.saves is None else f"saves {trick.saves / GiB:6.2f} GiB"
                 lines.append(f"  {trick.name:<{width}} -> {trick.total_after / GiB:7.2f} GiB"
                              f"{'  fits' if trick.fits_after else '      '}   {saves}")
+        if self.closing:
+            lines.append(self.closing)
         lines += [f"note: {note}" for note in self.notes]
-        return "\n".join(lines)
+        return wrapped("\n".join(lines))
 
 
 def _resolve(model) -> tuple[ModelSpec | None, int, str]:
