@@ -12,9 +12,12 @@ reduce-scattered when its backward ends; the root's wait for the final backward 
   held (`_fsdp_collectives.py` foreach_all_gather) and no gradient in the first micro-batch
   (zero_grad(set_to_none=True));
 - in backward zero3 holds the layer running and the next one prefetched, the running layer's
-  unsharded gradients, the previous group's reduce-scatter input (one group's gradients in the reduce
-  dtype: `post_backward` keeps `reduce_scatter_max_input_buffers` = 1 of them alive until the next
-  group's reduce-scatter is issued) and the shards reduced so far;
+  unsharded gradients and the shards reduced so far; at the tail one group's reduce-scatter input (its
+  gradients in the reduce dtype: `post_backward` keeps `reduce_scatter_max_input_buffers` = 1 of them
+  alive until the next group's reduce-scatter is issued), the largest of them counted;
+- zero3 gathers the root again at the start of backward (its flat all-gather buffer beside the
+  unsharded parameters); the last reduce-scatter holds that group's unsharded gradients beside their
+  copy in the reduce dtype;
 - AdamW's step runs on the shards; its temporaries shrink with them.
 
 The plan takes, phase by phase, the largest set that this scheduling lets be alive at once: an upper
@@ -151,13 +154,14 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
         # just the head's (the output layer's as a temporary until it is accumulated)
         "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + held, accumulated,
                           always + (head if zero3 else 0) + prefetched + head_grads),
-        # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients and
-        # the previous group's reduce-scatter input; the last layer (first in backward) holds every layer's
-        # activations and no reduced gradients, the first layer the reduced shards of all the others
+        # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
+        # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
+        # layer the reduced shards of all the others
         "layers backward": (batch + layers_peak - (above if first_layer else 0),
                             max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
-                            always + 2 * prefetched + largest * grad_ratio + reduce_input + held_head_grads),
-        # the embeddings' backward: every layer reduced (the first one's reduce-scatter input still held),
+                            always + 2 * prefetched + largest * grad_ratio + held_head_grads),
+        # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
+        # on gloo, torchtitan's head group's is),
         # the embeddings regathered (zero3, torchtitan) and the gradients reduce-scattered last unsharded
         # (the trace counts the embeddings' new gradient as a temporary until it is accumulated)
         "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (trace_root_grads - trace_head_grads)),
@@ -188,8 +192,8 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
-        "two layers gathered at a time in backward, one layer of unsharded gradients and the previous group's " \
-        "reduce-scatter input"
+        "two layers gathered at a time in backward, one layer of unsharded gradients, a group's reduce-scatter " \
+        "input at the tail"
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
     note = (f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 else ''}; "
             f"wrapping {wrapping}): an upper bound, the most FSDP2's schedule lets be alive at once (a measured "
