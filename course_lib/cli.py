@@ -77,6 +77,8 @@ def _plan(args: argparse.Namespace) -> int:
                                lora_rank=args.lora_rank, lora_dropout=args.lora_dropout, quant=args.quant, batch=args.batch, seq=args.seq,
                                checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
                                loop=args.loop, gpu=args.gpu, gpus=args.gpus, shard=args.shard,
+                               fsdp_wrapping=args.fsdp_wrapping, fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+                               fsdp_reshard_root=args.fsdp_reshard_root,
                                optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
                                offload_activations=args.offload_activations)
     except PlanError as error:
@@ -167,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "is one GPU's share, --batch per GPU (lesson 6)")
     plan.add_argument("--shard", metavar="STAGE", help="what the N GPUs partition: none (DDP, default), zero1 "
                                                        "(optimizer state), zero2 (+ gradients), zero3 (+ weights)")
+    plan.add_argument("--fsdp-wrapping", choices=("blocks", "torchtitan"),
+                      help="zero2/zero3: blocks (default: each decoder layer, then the root) or torchtitan "
+                           "(embeddings, each layer, [norm, output], then the root)")
+    plan.add_argument("--fsdp-reduce-dtype", choices=("fp32",),
+                      help="zero2/zero3: reduce-scatter the gradients in fp32 (default: the compute dtype)")
+    plan.add_argument("--fsdp-keep-root-gathered", dest="fsdp_reshard_root", action="store_false", default=None,
+                      help="zero3: the root is not resharded after forward (FSDP2's default; the course's zero3 "
+                           "reshards it: 3 P sent)")
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser

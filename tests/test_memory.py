@@ -341,6 +341,8 @@ def test_bitsandbytes_cpu_step_temporaries_are_planned_as_the_allocator_measures
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
 
+    from course_lib.toolbox import embeddings_in_32_bits
+
     config = _tiny_llama()
     setup = Setup(precision="fp32", optimizer="adamw8bit", batch=2, seq=96)
     torch.manual_seed(0)
@@ -352,11 +354,13 @@ def test_bitsandbytes_cpu_step_temporaries_are_planned_as_the_allocator_measures
     def loss_fn():
         return model(input_ids=ids, labels=ids, use_cache=False).loss
 
-    measure_step(model, optimizer, loss_fn, [ids])
+    with embeddings_in_32_bits(model):  # as the Trainer registers it, and the planner plans it
+        measure_step(model, optimizer, loss_fn, [ids])
     measured = measure_step(model, optimizer, loss_fn, [ids])
     spec = spec_from_model(build_model(config), "tiny-llama", config)
     predicted = plan(spec, setup)
-    largest = max(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())  # the output layer's, as large as the embeddings'
+    assert predicted.bytes["optimizer_state"] == measured.optimizer_state
     unseen = measured.phase_peaks["optimizer"] - measured.tracked_phase_peaks["optimizer"]
     assert unseen == pytest.approx(20 * largest, rel=0.01)  # five fp32 copies of the largest tensor
     assert predicted.detail["optimizer_step_temporaries"] == 20 * largest

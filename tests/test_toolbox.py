@@ -244,9 +244,10 @@ def test_lean_optimizers_keep_less_than_adamw():
 
 # The exercise checks of lesson 7 reject wrong answers, each at the property it breaks.
 
-def _hooks(free: bool, free_first: bool = False, steps: int = 1):
+def _hooks(free: bool, free_first: bool = False, steps: int = 1, shared: bool = False):
     def attach(model, make_optimizer):
-        optimizers = {p: make_optimizer([p]) for p in model.parameters()}
+        one = make_optimizer(list(model.parameters())) if shared else None  # wrong: one optimizer for all
+        optimizers = {p: one or make_optimizer([p]) for p in model.parameters()}
 
         def hook(param):
             if free_first:  # wrong: the gradient is gone before the step sees it
@@ -261,15 +262,18 @@ def _hooks(free: bool, free_first: bool = False, steps: int = 1):
     return attach
 
 
-def _chunked(shift: bool = True, by_chunks: bool = False, recompute: bool = True):
+def _chunked(shift: bool = True, by_chunks: bool = False, recompute: bool = True, upcast: bool = True,
+             whole: bool = False):
     def loss(hidden, weight, labels, chunk_size):
         targets = (F.pad(labels, (0, 1), value=-100)[..., 1:] if shift else labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
+        size = len(targets) if whole else chunk_size  # wrong when whole: chunk_size ignored
 
         def part(h, y):
-            return F.cross_entropy(F.linear(h, weight).float(), y, ignore_index=-100, reduction="sum")
+            logits = F.linear(h, weight)
+            return F.cross_entropy(logits.float() if upcast else logits, y, ignore_index=-100, reduction="sum")
         parts = [torch.utils.checkpoint.checkpoint(part, h, y, use_reentrant=False) if recompute else part(h, y)
-                 for h, y in zip(flat.split(chunk_size), targets.split(chunk_size))]
+                 for h, y in zip(flat.split(size), targets.split(size))]
         return sum(parts) / (len(parts) if by_chunks else (targets != -100).sum())
     return loss
 
@@ -282,11 +286,14 @@ def test_exercise_checks_accept_a_right_answer_and_reject_wrong_ones(capsys):
     assert capsys.readouterr().out.count("Correct") == 2
     for wrong, message in ((_hooks(free=False), "still has a gradient"),
                            (_hooks(free=True, free_first=True), "never updated"),
-                           (_hooks(free=True, steps=2), "once per backward")):
+                           (_hooks(free=True, steps=2), "once per backward"),
+                           (_hooks(free=True, shared=True), "distinct optimizer objects")):
         with pytest.raises(AssertionError, match=message):
             checks.check_optimizer_in_backward(wrong)
     for wrong, message in ((_chunked(shift=False), "shift the labels"),
                            (_chunked(by_chunks=True), "number of scored tokens"),
-                           (_chunked(recompute=False), "not below one set")):
+                           (_chunked(recompute=False), "not below one set"),
+                           (_chunked(upcast=False), "upcast each chunk's logits"),
+                           (_chunked(whole=True), "at most chunk_size")):
         with pytest.raises(AssertionError, match=message):
             checks.check_chunked_loss(wrong)

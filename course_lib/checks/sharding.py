@@ -2,42 +2,61 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from course_lib import memory
+from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.checks.hints import passed, refuse_reference
-from course_lib.memory import Setup, plan
+from course_lib.memory import CUDA_CONTEXT_BYTES, Setup, get_gpu, plan
+from course_lib.memory.prediction import predict
 from course_lib.memory.setup import SHARDS
+from course_lib.sharding import STAGES, measure_sharding
 
-__all__ = ["check_model_states_per_gpu", "check_fewest_gpus"]
+__all__ = ["check_model_states_per_gpu", "check_fewest_gpus", "check_never_fits", "check_bytes_sent"]
+
+_KINDS = ("weights", "gradients", "optimizer_states")
 
 
-def _states(p) -> int:
-    return sum(p.bytes[c] for c in ("weights", "gradients", "optimizer_state", "master_weights"))
+def _by_kind(p) -> dict[str, int]:
+    b = p.bytes
+    return {"weights": b["weights"], "gradients": b["gradients"],
+            "optimizer_states": b["optimizer_state"] + b["master_weights"]}
 
 
 def check_model_states_per_gpu(model_states_per_gpu) -> None:
     """Exercise 6.1: `model_states_per_gpu(n_params, gpus, stage)` is one GPU's model states under
-    mixed-precision AdamW, as the planner (and the ZeRO paper) counts them."""
+    mixed-precision AdamW by kind, {"weights", "gradients", "optimizer_states"} in bytes, as the
+    planner (and the ZeRO paper) counts them: a stage that divides the wrong kind fails even where the
+    total is the same."""
     for n_params in (7_500_000_000, 1_000_003):
         for gpus in (1, 8, 64, 3):
             for stage in SHARDS:
-                expected = _states(plan(n_params, precision="mixed-bf16", optimizer="adamw", gpus=gpus, shard=stage))
+                expected = _by_kind(plan(n_params, precision="mixed-bf16", optimizer="adamw", gpus=gpus, shard=stage))
                 with refuse_reference(memory, instead="add up the bytes each GPU keeps yourself"):
                     got = model_states_per_gpu(n_params, gpus, stage)
-                assert got is not None, "model_states_per_gpu returned None: return a number of bytes"
                 case = f"{n_params:,} parameters on {gpus} GPUs, {stage}"
-                if stage != "none" and gpus > 1 and abs(got - 16 * n_params) <= gpus:
-                    raise AssertionError(f"{case}: that is the unsharded 16 bytes per parameter; {stage} divides "
-                                         "some of the model states by the number of GPUs")
-                if stage == "zero1" and abs(got - (4 * n_params + 8 * n_params / gpus)) <= gpus:
+                assert isinstance(got, dict) and set(got) == set(_KINDS), (
+                    f"{case}: return a dict with the keys {', '.join(_KINDS)} (bytes per GPU of each), got {got!r}")
+                wrong = [kind for kind in _KINDS if abs(got[kind] - expected[kind]) > gpus]
+                if not wrong:
+                    continue
+                if stage == "zero2" and gpus > 1 and abs(got["weights"] - expected["gradients"]) <= gpus \
+                        and abs(got["gradients"] - expected["weights"]) <= gpus:
+                    raise AssertionError(f"{case}: ZeRO stage 2 partitions the gradients, not the weights (the "
+                                         "total is the same, 2 + 2/N bytes per parameter either way, but only the "
+                                         "gradients' partition lets each GPU run every layer without gathering)")
+                if stage == "zero1" and min(abs(got["optimizer_states"] - 8 * n_params / gpus),  # K = 8 divided,
+                                            abs(got["optimizer_states"] - 8 * n_params / gpus - 4 * n_params)) <= gpus:  # master whole
                     raise AssertionError(f"{case}: the optimizer states of ZeRO stage 1 include the fp32 master "
                                          "weights: K = 12 bytes per parameter (4 + 4 + 4) are divided, not 8")
-                assert abs(got - expected) <= gpus, (
-                    f"{case}: expected {expected:,} bytes per GPU, got {got:,.0f}. Per parameter: 2 bytes of "
-                    "16-bit weights, 2 of 16-bit gradients, K = 12 of optimizer states (fp32 master weights and "
-                    "Adam's two moments); stage 1 divides K by N, stage 2 the gradients too, stage 3 everything")
-    passed("Correct: 16, 4 + 12/N, 2 + 14/N and 16/N bytes per parameter, the ZeRO paper's Figure 1.")
+                kind = wrong[0]
+                raise AssertionError(
+                    f"{case}: {kind} expected {expected[kind]:,} bytes per GPU, got {got[kind]:,.0f}. Per "
+                    "parameter: 2 bytes of 16-bit weights, 2 of 16-bit gradients, K = 12 of optimizer states (fp32 "
+                    "master weights and Adam's two moments); stage 1 divides K by N, stage 2 the gradients too, "
+                    "stage 3 the weights too")
+    passed("Correct: 16, 4 + 12/N, 2 + 14/N and 16/N bytes per parameter, the ZeRO paper's Figure 1, kind by kind.")
 
 
 def _fewest(model, setup: Setup, gpu: str, most: int) -> int | None:
@@ -81,3 +100,68 @@ def check_fewest_gpus(fewest_gpus) -> None:
             raise AssertionError(f"{case}: it fits on one GPU already; start counting at 1, got {got}")
         assert got == expected, f"{case}: the fewest GPUs on which it fits is {expected}, got {got}"
     passed("Correct: the fewest GPUs for each stage; note how much sooner zero3 fits than zero1.")
+
+
+def check_never_fits(never_fits) -> None:
+    """Exercise 6.3: `never_fits(n_params, stage, gpu)` is True when no number of GPUs makes one GPU's
+    model states (mixed-precision AdamW, `--params` only) fit at that stage, from what the stage does
+    not divide; the check compares with the planner at 4096 GPUs."""
+    # 7.9e9 on a T4 at zero2: the undivided 2 bytes per parameter fit, the CUDA context on top does not
+    cases = [(int(n), stage, gpu) for n in (7e9, 7.9e9, 13e9, 70e9) for stage in SHARDS
+             for gpu in ("t4", "a100-40gb", "h200")]
+    for n_params, stage, gpu in cases:
+        card = get_gpu(gpu)
+        expected = not plan(n_params, precision="mixed-bf16" if card.bf16 else "mixed-fp16", gpus=4096, shard=stage,
+                            gpu=gpu, suggest=False).fits
+        with refuse_reference(memory.plan, predict, instead="reason from what the stage leaves whole on every GPU"):
+            got = never_fits(n_params, stage, gpu)
+        case = f"{n_params:,} parameters, {stage}, on {gpu}"
+        assert isinstance(got, bool), f"{case}: return True or False, got {got!r}"
+        if got != expected:
+            undivided = {"none": 16, "zero1": 4, "zero2": 2, "zero3": 0}[stage] * n_params
+            raise AssertionError(
+                f"{case}: expected {expected}. {_NEVER[stage].split(':')[0].capitalize()}: what it leaves whole is "
+                f"{undivided / 2**30:.2f} GiB on every GPU, however many there are, and the CUDA context "
+                f"({CUDA_CONTEXT_BYTES / 2**30:.2f} GiB) comes on top, against the {gpu}'s "
+                f"{card.memory_bytes / 2**30:.2f} GiB")
+    passed("Correct: none, zero1 and zero2 leave 16, 4 and 2 bytes per parameter whole on every GPU; only zero3 "
+          "always fits with enough GPUs.")
+
+
+# what each rank of the lesson's engines sends per step, in ring passes P of the parameter bytes
+_SENT_HINTS = {
+    "none": "DDP all-reduces the gradients: a reduce-scatter and an all-gather, 2 P",
+    "zero1": "torch's ZeroRedundancyOptimizer sits on DDP (an all-reduce, 2 P) and then broadcasts the parameters "
+             "each rank updated (1 P): 3 P, not the paper's 2",
+    "zero2": "FSDP2 without resharding after forward gathers the weights once (1 P) and reduce-scatters the "
+             "gradients (1 P): 2 P",
+    "zero3": "FSDP2 gathers the weights in forward and again in backward and reduce-scatters the gradients: 3 P",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _measured_sent() -> dict[tuple[int, str], tuple[int, int]]:
+    """(world size, stage) -> (the parameters' bytes, what rank 0 sent), measured on gloo."""
+    build = functools.partial(tiny_decoder, "llama", n_layers=2, hidden=32, vocab=128)
+    param_bytes = sum(p.numel() for p in build().parameters()) * 4
+    return {(s.world_size, s.stage): (param_bytes, s.bytes_sent) for n in (2, 4)
+            for s in measure_sharding(build, n, STAGES, batch=1, seq=8, repeats=1) if s.rank == 0}
+
+
+def check_bytes_sent(bytes_sent_per_rank) -> None:
+    """Exercise 6.4: `bytes_sent_per_rank(param_bytes, world_size, stage)` is what each rank of the
+    lesson's engines sends in one step (ring algorithm), checked against a step measured on 2 and 4
+    gloo ranks (lesson 6, section 4)."""
+    for (n, stage), (param_bytes, sent) in _measured_sent().items():
+        got = bytes_sent_per_rank(param_bytes, n, stage)
+        case = f"{stage} on {n} ranks, {param_bytes:,} bytes of parameters"
+        assert isinstance(got, (int, float)), f"{case}: return a number of bytes, got {got!r}"
+        ring = param_bytes * (n - 1) / n
+        if abs(got - sent) <= 0.01 * sent:
+            continue
+        if abs(got - sent * n / (n - 1)) <= 0.01 * sent * n / (n - 1):
+            raise AssertionError(f"{case}: a ring pass sends (N-1)/N of the tensor per rank, not all of it: "
+                                 f"P = {ring:,.0f} bytes here")
+        raise AssertionError(f"{case}: measured {sent:,} bytes ({sent / ring:.2f} P), got {got:,.0f}: "
+                             f"{_SENT_HINTS[stage]}")
+    passed("Correct: 2 P, 3 P, 2 P and 3 P, as measured on the engines (P = (N-1)/N x the parameters' bytes).")

@@ -16,14 +16,26 @@ from course_lib.memory.setup import PlanError
 CUDA_CONTEXT_BYTES = 512 * MiB
 
 
+# A GPU's link to host memory, bytes/s each way, theoretical (PCI-SIG: 8, 16 and 32 GT/s a lane with
+# 128b/130b encoding). The T4's datasheet "32 GB/s" is its PCIe 3.0 x16 counted both ways.
+HOST_LINKS = {"PCIe 3.0 x16": 15.75e9, "PCIe 4.0 x16": 31.5e9, "PCIe 5.0 x16": 63.0e9}
+
+
 @dataclass(frozen=True)
 class GPU:
-    """A GPU as a training process sees it: the memory nvidia-smi reports as total (lesson 1)."""
+    """A GPU as a training process sees it: the memory nvidia-smi reports as total, and its link to
+    host memory (lesson 1; lesson 7's activation offloading)."""
 
     name: str
     memory_bytes: int
     compute_capability: tuple[int, int]
     note: str = ""
+    host_link: str = "PCIe 4.0 x16"
+
+    @property
+    def host_link_bytes_per_s(self) -> float:
+        """The host link's theoretical rate, bytes/s each way."""
+        return HOST_LINKS[self.host_link]
 
     @property
     def bf16(self) -> bool:
@@ -32,13 +44,13 @@ class GPU:
 
 
 GPUS = {
-    "t4": GPU("T4", 15360 * MiB, (7, 5), "16 GB card, 15360 MiB visible with ECC on (Colab)"),
+    "t4": GPU("T4", 15360 * MiB, (7, 5), "16 GB card, 15360 MiB visible with ECC on (Colab)", "PCIe 3.0 x16"),
     "l4": GPU("L4", 23034 * MiB, (8, 9), "24 GB card"),
     "a10g": GPU("A10G", 23028 * MiB, (8, 6), "24 GB card (AWS g5)"),
     "a100-40gb": GPU("A100 40GB", 40960 * MiB, (8, 0)),
     "a100-80gb": GPU("A100 80GB", 81920 * MiB, (8, 0)),
-    "h100-80gb": GPU("H100 80GB", 81559 * MiB, (9, 0)),
-    "h200": GPU("H200", 143771 * MiB, (9, 0), "141 GB card, 143771 MiB as nvidia-smi shows it"),
+    "h100-80gb": GPU("H100 80GB", 81559 * MiB, (9, 0), host_link="PCIe 5.0 x16"),
+    "h200": GPU("H200", 143771 * MiB, (9, 0), "141 GB card, 143771 MiB as nvidia-smi shows it", "PCIe 5.0 x16"),
     "rtx3090": GPU("RTX 3090", 24576 * MiB, (8, 6)),
     "rtx4090": GPU("RTX 4090", 24564 * MiB, (8, 9)),
 }

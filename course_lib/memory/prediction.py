@@ -196,16 +196,15 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
                      "(lesson 4), at a cost in time")
     if spec is not None:
-        more_notes, more_detail = toolbox_notes(setup, trace)
+        more_notes, more_detail = toolbox_notes(setup, trace, card)
         notes += more_notes
         detail.update(more_detail)
     if setup.accum > 1:
         notes.append(f"effective batch {setup.batch * setup.accum} = micro-batch {setup.batch} x {setup.accum} "
                      "accumulation steps; gradients stay allocated during the micro-batches")
     if setup.gpus is not None:
-        values, shard_detail, shard_notes = sharded_values(spec, setup, values, trace,
-                                                           [math.prod(s) for s in states.trainable_shapes],
-                                                           detail.get("optimizer_step_temporaries", 0))
+        values, shard_detail, shard_notes = sharded_values(spec, setup, values, trace, states,
+                                                           detail.get("optimizer_step_temporaries", 0), cuda)
         detail.update(shard_detail)
         notes += shard_notes
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)

@@ -15,6 +15,7 @@ QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
 LOOPS = ("trainer", "keep-outputs")
 SHARDS = ("none", "zero1", "zero2", "zero3")  # lesson 6, `course_lib.memory.sharded`
+FSDP_WRAPPINGS = ("blocks", "torchtitan")  # lesson 6, `course_lib.sharding.engines.fsdp_units`
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
               "optimizer_temporaries", "overhead", "total")
 DEFAULT_LORA_RANK = 16
@@ -50,7 +51,11 @@ class Setup:
     `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
     backward and the step, and into the next forward until `outputs` is bound again.
     gpus: None (one GPU, no data parallelism) or N GPUs training together, `batch` per GPU; shard:
-    "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.memory.sharded`).
+    "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.memory.sharded`). Under zero2/zero3
+    (FSDP2) the precision is MixedPrecisionPolicy's param_dtype (mixed-bf16: an fp32 model gathered in
+    bf16); fsdp_wrapping "blocks" or "torchtitan" (`course_lib.sharding.engines`); fsdp_reduce_dtype
+    None (the reduce-scatter in the compute dtype, FSDP2's default) or "fp32" (torchtitan's);
+    fsdp_reshard_root: zero3 reshards the root after forward too (3P sent), False: FSDP2's default.
     Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
     chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
     moves what autograd saves to host memory (torch's save_on_cpu).
@@ -72,6 +77,9 @@ class Setup:
     loop: str = "trainer"
     gpus: int | None = None
     shard: str = "none"
+    fsdp_wrapping: str = "blocks"
+    fsdp_reduce_dtype: str | None = None
+    fsdp_reshard_root: bool = True
     optimizer_in_backward: bool = False
     chunked_loss: int | None = None
     offload_activations: bool = False
@@ -142,6 +150,15 @@ def _validate_sharding(setup: Setup) -> None:
         raise PlanError(f"--precision {setup.precision} with --gpus {setup.gpus}: data parallelism and sharding "
                         "are planned for the master-copy recipe (mixed-bf16, mixed-fp16) and pure precisions; "
                         "plan autocast on one GPU (no --gpus)")
+    if setup.fsdp_wrapping not in FSDP_WRAPPINGS:
+        raise PlanError(f"unknown FSDP wrapping {setup.fsdp_wrapping!r}: use one of {', '.join(FSDP_WRAPPINGS)}")
+    if setup.fsdp_reduce_dtype not in (None, "fp32"):
+        raise PlanError(f"fsdp_reduce_dtype must be None (the compute dtype) or 'fp32', got {setup.fsdp_reduce_dtype!r}")
+    if not isinstance(setup.fsdp_reshard_root, bool):
+        raise PlanError(f"fsdp_reshard_root must be True or False, got {setup.fsdp_reshard_root!r}")
+    if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) != ("blocks", None, True) \
+            and setup.shard not in ("zero2", "zero3"):
+        raise PlanError(f"the --fsdp-* options configure FSDP2: they need --shard zero2 or zero3, not {setup.shard}")
     if setup.shard in ("zero2", "zero3") and setup.quant != "none":
         raise PlanError(f"--shard {setup.shard} with --quant {setup.quant}: FSDP of a 4-bit base is not modelled; "
                         "plan QLoRA on one GPU (no --gpus) or shard a 16-bit model")
@@ -159,6 +176,14 @@ def _validate_toolbox(setup: Setup) -> None:
     if setup.optimizer_in_backward and setup.accum > 1:
         raise PlanError(f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
                         "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1")
+    if setup.optimizer_in_backward and setup.precision.endswith("fp16"):
+        raise PlanError(f"optimizer_in_backward with --precision {setup.precision}: fp16 trains under GradScaler, whose "
+                        "skip-on-overflow becomes a partial update when each parameter steps inside backward "
+                        "(lesson 7); use bf16, or step after backward")
+    if setup.optimizer_in_backward and setup.gpus is not None:
+        raise PlanError(f"optimizer_in_backward with --gpus {setup.gpus}: under DDP a post-accumulate-grad hook steps "
+                        "on the local, unaveraged gradient (torch's _apply_optimizer_in_backward moves the step into "
+                        "a comm hook); the planner does not model it: plan one GPU (lesson 7)")
     used = [name for name in ("optimizer_in_backward", "chunked_loss", "offload_activations") if getattr(setup, name)]
     if used and setup.gpus is not None:
         raise PlanError(f"{used[0]} with --gpus {setup.gpus}: the planner does not model lesson 7's tricks under "

@@ -60,6 +60,12 @@ def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
     return packed, blocks + 16 * 4 + 4 + math.ceil(blocks / NF4_DQ_BLOCK) * 4 + 256 * 4
 
 
+# transformers' Trainer (trainer.py, 5.24), with any bitsandbytes optimizer of optim_bits=8 (adamw_bnb_8bit,
+# paged_adamw_8bit), registers optim_bits=32 for the weight of every nn.Embedding
+# (GlobalOptimManager.register_module_override): a trained embedding keeps 32-bit state, 8 B/param.
+# The planner plans the Trainer's optimizer (lesson 7, "lean optimizers").
+
+
 def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize: int,
                           shapes: Sequence[tuple[int, ...]] | None = None, step_counters: bool = True,
                           per_tensor: bool = False) -> int:
@@ -190,10 +196,17 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
         shapes = [p.shape for p in spec.params]
         numels = [p.numel for p in spec.params]
         state_size = 4 if (mixed or setup.adam_state == "fp32" or setup.optimizer == "adafactor") else wsize
+        if setup.optimizer in ("adamw8bit", "paged_adamw8bit"):  # the Trainer's override: embeddings in 32 bits
+            optimizer_state = optimizer_state_bytes(setup.optimizer, [p.numel for p in spec.params
+                                                                      if p.module != "embedding"],
+                                                    state_size, per_tensor=setup.optimizer_in_backward) \
+                + 8 * sum(p.numel for p in spec.params if p.module == "embedding")
+        else:
+            optimizer_state = optimizer_state_bytes(setup.optimizer, numels, state_size, shapes, step_counters,
+                                                    setup.optimizer_in_backward)
         return ModelStates(
             weights=sum(numels) * wsize, gradients=sum(numels) * wsize,
-            optimizer_state=optimizer_state_bytes(setup.optimizer, numels, state_size, shapes, step_counters,
-                                                  setup.optimizer_in_backward),
+            optimizer_state=optimizer_state,
             master_weights=4 * sum(numels) if mixed else 0, quantization=0,
             trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=wsize,
             state_itemsize=state_size)

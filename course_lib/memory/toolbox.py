@@ -63,20 +63,23 @@ def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool):
     return hook
 
 
-def toolbox_notes(setup, trace) -> tuple[list[str], dict]:
-    """The plan's notes and details for lesson 7's options."""
+def toolbox_notes(setup, trace, card=None) -> tuple[list[str], dict]:
+    """The plan's notes and details for lesson 7's options; `card`: the target GPU (its host link), or None."""
     notes, detail = [], {}
     if setup.optimizer_in_backward:
         notes.append("optimizer in backward: each parameter is updated in its post-accumulate-grad hook and its "
-                     "gradient freed there (no full set of gradients, no accumulation, no global norm clip)")
+                     "gradient freed there: no full set of gradients, no accumulation, and no global norm clip "
+                     "(a recipe's clip, the Trainer's max_grad_norm=1.0 by default, is lost)")
     if setup.chunked_loss is not None:
         notes.append(f"chunked loss: the output layer and the loss run {setup.chunked_loss} tokens at a time, each "
                      "chunk's logits recomputed in backward (lesson 7)")
     if setup.offload_activations:
 
-        seconds = transfer_seconds(trace.offloaded, trace.offloaded)
+        rate = PCIE3_X16 if card is None else card.host_link_bytes_per_s
+        link = "PCIe 3.0 x16, no --gpu given" if card is None else f"the {card.name}'s {card.host_link}"
+        seconds = transfer_seconds(trace.offloaded, trace.offloaded, rate)
         detail.update(offload_bytes_each_way=trace.offloaded, offload_seconds_predicted=seconds)
         notes.append(f"offload activations: {format_bytes(trace.offloaded)} to host memory in forward and back in "
                      f"backward, weights saved by matmuls included; predicted {seconds * 1e3:,.1f} ms per step at "
-                     f"{PCIE3_X16 / 1e9:.2f} GB/s each way (the T4's PCIe 3.0 x16), not overlapped")
+                     f"{rate / 1e9:.2f} GB/s each way ({link}), not overlapped")
     return notes, detail

@@ -7,10 +7,10 @@ per rank in gloo processes on one machine (lesson 6).
 - `measuring`: one measured step per rank and stage, in one spawn per world size.
 """
 
-from course_lib.sharding.engines import ENGINES, STAGES, wrap
+from course_lib.sharding.engines import ENGINES, STAGES, WRAPPINGS, FSDPOptions, wrap
 from course_lib.sharding.launch import free_port, run_ranks
 from course_lib.sharding.measuring import RankStep, measure_offload_on_cuda, measure_sharding
 from course_lib.sharding.tracking import CommCounter, RankTracker
 
-__all__ = ["ENGINES", "STAGES", "wrap", "free_port", "run_ranks", "RankStep",
+__all__ = ["ENGINES", "STAGES", "WRAPPINGS", "FSDPOptions", "wrap", "free_port", "run_ranks", "RankStep",
            "measure_offload_on_cuda", "measure_sharding", "CommCounter", "RankTracker"]

@@ -21,9 +21,21 @@ that keep exactly, or nearly, that:
 
 "zero3" with FSDP2's `CPUOffloadPolicy` (the shards in CPU memory, the optimizer step on the CPU,
 ZeRO-Offload's split) only means something with a GPU: `measuring.measure_offload_on_cuda`.
+
+FSDP2 as people configure it (`FSDPOptions`):
+- wrapping: "blocks" (the course's: `fully_shard` on each decoder layer, then the root, which then
+  holds the embeddings, the final norm and the output layer as one unit whose gradients are
+  reduce-scattered last) or "torchtitan" (torchtitan's llama recipe: the input embeddings, each block
+  and `[norm, output]` as units of their own, the last one never resharded after forward, then the root);
+- `MixedPrecisionPolicy(param_dtype, reduce_dtype)`: the dtype of the gathered weights (and so of the
+  compute and the unsharded gradients) and of the reduce-scatter; the shards stay in the model's dtype;
+- reshard_root: zero3 reshards the root after forward too (the course's default: 3P sent); FSDP2's own
+  default (`reshard_after_forward=None` on the root) keeps the root gathered from forward to backward.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,14 +52,47 @@ ENGINES = {
     "zero3": "FSDP2, reshard_after_forward=True",
 }
 STAGES = tuple(ENGINES)
+WRAPPINGS = ("blocks", "torchtitan")
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How FSDP2 is configured for zero2 and zero3 (lesson 6, "FSDP2 as people configure it").
+    param_dtype / reduce_dtype: MixedPrecisionPolicy's (None: the model's own dtype)."""
+
+    wrapping: str = "blocks"
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    reshard_root: bool = True
+
+    def __post_init__(self):
+        if self.wrapping not in WRAPPINGS:
+            raise ValueError(f"unknown wrapping {self.wrapping!r}: use one of {', '.join(WRAPPINGS)}")
+
+
+def fsdp_units(model: nn.Module, wrapping: str) -> list[list[nn.Module]]:
+    """The modules of each `fully_shard` call before the root's, in order (lesson 6): every decoder
+    layer for "blocks"; for "torchtitan" the input embeddings first (left to the root when the output
+    layer is tied to them), then the layers, then every other module that holds parameters of its own
+    (the final norm, the output layer, GPT-2's position embeddings) as one group."""
+    layers = list(find_layer_stack(model))  # the decoder layers, found as lesson 3 finds them
+    units = [[layer] for layer in layers]
+    if wrapping == "blocks":
+        return units
+    embeddings, output = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = output is not None and output.weight is embeddings.weight  # then the embeddings stay with the root
+    inside = {id(p) for layer in layers for p in layer.parameters()} | {id(embeddings.weight)}
+    rest = [m for m in model.modules() if m is not model and any(id(p) not in inside for p in m.parameters(recurse=False))]
+    return ([] if tied else [[embeddings]]) + units + ([rest] if rest else [])
 
 
 def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, device: str = "cpu",
-         offload_policy=None):
+         offload_policy=None, fsdp: FSDPOptions = FSDPOptions()):
     """(the model to train, its optimizer) for `stage` (one of ENGINES) in a running process group.
 
     The optimizer is torch's AdamW (foreach step, its default) in every stage (lesson 6). For FSDP2,
-    `device` is the mesh's device type and `offload_policy` (e.g. CPUOffloadPolicy()) is passed on."""
+    `device` is the mesh's device type, `offload_policy` (e.g. CPUOffloadPolicy()) is passed on, and
+    `fsdp` says how it is wrapped and in which dtypes it gathers and reduces."""
     if stage not in ENGINES:
         raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(ENGINES)}")
     if stage in ("none", "zero1"):
@@ -60,12 +105,16 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, dev
             return ddp, torch.optim.AdamW(ddp.parameters(), lr=lr)
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
     # off the import path: torch.distributed.fsdp takes most of a second to import
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    options = dict(mesh=init_device_mesh(device, (world_size,)), reshard_after_forward=stage == "zero3")
+    options = dict(mesh=init_device_mesh(device, (world_size,)), reshard_after_forward=stage == "zero3",
+                   mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype))
     if offload_policy is not None:
         options["offload_policy"] = offload_policy
-    for layer in find_layer_stack(model):  # the decoder layers, found as lesson 3 finds them
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+    for unit in fsdp_units(model, fsdp.wrapping):
+        if len(unit) > 1:  # torchtitan's [norm, output]: not resharded, it is gathered again at once in backward
+            fully_shard(unit, **{**options, "reshard_after_forward": False})
+        else:
+            fully_shard(unit[0], **options)
+    fully_shard(model, **{**options, "reshard_after_forward": stage == "zero3" and fsdp.reshard_root})
     return model, torch.optim.AdamW(model.parameters(), lr=lr)

@@ -3,7 +3,7 @@
 `measure_sharding(model, world_size, stages)` starts `world_size` gloo processes once; inside them
 each stage in turn builds the same Hugging Face model from its config (same seed), wraps it with
 that stage's engine (`engines.wrap`), runs a warm-up step (AdamW creates its state, FSDP2 its
-buffers), then two measured steps (optionally of K accumulated micro-batches each) under
+buffers), then `repeats` measured steps (two by default; optionally of K accumulated micro-batches each) under
 `RankTracker` (every storage the rank holds, the model's own included, from before the engine
 wrapped it) and `CommCounter` (the collectives of the step).
 """
@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from course_lib.measure import PHASES, PlainTextTable, format_bytes, optimizer_state_tensors, storage_bytes
-from course_lib.sharding.engines import ENGINES, STAGES, wrap
+from course_lib.sharding.engines import ENGINES, STAGES, FSDPOptions, wrap
 from course_lib.sharding.launch import run_ranks
 from course_lib.sharding.tracking import CommCounter, RankTracker
 
-# Measured steps per stage. Gloo's worker thread drops its references to a collective's buffers on its
-# own schedule: on a busy CPU one buffer can outlive its phase by a moment, and a step's peak grows by
-# that buffer. The lower of two steps' peaks is the step's schedule; both are kept (`repeat_peaks`).
+# Measured steps per stage. The collectives run asynchronously (gloo's worker thread drops its references
+# to a collective's buffers on its own schedule), so which buffers are alive together moves from step to
+# step, and so does the peak (lesson 6, "the spread"). A step's `peak` is the highest of its repeats: the
+# peak that can happen; every repeat's is kept (`repeat_peaks`).
 REPEATS = 2
 
 
@@ -40,10 +41,10 @@ class RankStep(PlainTextTable):
     parameters: int         # this rank's parameters (its shards under FSDP2), after the step
     gradients: int          # this rank's gradients (shards under FSDP2), after the step
     optimizer_state: int    # this rank's AdamW state
-    before_step: int        # everything live when the step starts (model states, engine buffers, batch)
-    peak: int               # the most live at any moment of forward, backward and the optimizer step
-    phase_peaks: dict       # of the measured step with the lower peak
-    repeat_peaks: list      # the peak of each measured step (REPEATS of them)
+    peak: int               # the most live at any moment of forward, backward and the optimizer step,
+                            # the highest of the measured steps
+    phase_peaks: dict       # of the measured step with the highest peak
+    repeat_peaks: list      # the peak of each measured step
     bytes_sent: int         # by this rank, ring algorithm, all collectives of the step
     sent_by_collective: dict
     calls: dict
@@ -80,7 +81,8 @@ def _no_sync(engine, skip: bool):
 
 
 def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: int, seq: int, seed: int,
-                   micro_batches: int = 1, skip_sync: bool = False) -> RankStep:
+                   micro_batches: int = 1, skip_sync: bool = False, repeats: int = REPEATS,
+                   fsdp: FSDPOptions = FSDPOptions()) -> RankStep:
     torch.manual_seed(seed)
     model = build()
     vocab = model.config.vocab_size
@@ -91,13 +93,13 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
     for tensor in [*model.parameters(), *model.buffers(), ids]:
         tracker.watch(tensor)
     with tracker:
-        engine, optimizer = wrap(model, stage, world_size)
+        engine, optimizer = wrap(model, stage, world_size, fsdp=fsdp)
         del model
         _loss(engine, batch).backward()                       # warm-up: optimizer state, engine buffers
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        repeats = []
-        for repeat in range(REPEATS):
+        measured = []
+        for repeat in range(repeats):
             peaks: dict[str, int] = {}
 
             def begin(phase: str) -> None:  # fold the phase that ends into `peaks`, start the next
@@ -107,7 +109,6 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
 
             optimizer.zero_grad(set_to_none=True)
             tracker.set_phase("between steps")
-            before = tracker.current
             counter = CommCounter(world_size)
             with counter.counting():
                 for i in range(micro_batches):
@@ -120,29 +121,31 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
                 begin("optimizer")
                 optimizer.step()
                 begin("between steps")
-            repeats.append(peaks)
+            measured.append(peaks)
     params = [_local(p) for p in engine.parameters()]
     grads = [_local(p.grad) for p in engine.parameters()]
     inner = getattr(optimizer, "optim", optimizer)              # ZeroRedundancyOptimizer's local AdamW
     state = [_local(t) for t in optimizer_state_tensors(inner)]
-    peaks = min(repeats, key=lambda p: max(p.values()))
+    peaks = max(measured, key=lambda p: max(p.values()))
     return RankStep(stage=stage, engine=ENGINES[stage], world_size=world_size, rank=rank,
                     micro_batches=micro_batches, skip_sync=skip_sync,
                     parameters=storage_bytes(params), gradients=storage_bytes(grads),
-                    optimizer_state=storage_bytes(state), before_step=before, peak=max(peaks.values()),
-                    phase_peaks=peaks, repeat_peaks=[max(p.values()) for p in repeats],
+                    optimizer_state=storage_bytes(state), peak=max(peaks.values()),
+                    phase_peaks=peaks, repeat_peaks=[max(p.values()) for p in measured],
                     bytes_sent=counter.bytes_sent, sent_by_collective=dict(counter.sent),
                     calls=dict(counter.calls))
 
 
 def _worker(rank: int, world_size: int, build, runs, batch_size: int, seq: int, seed: int,
-            micro_batches: int) -> list[dict]:
-    return [_measure_stage(rank, world_size, build, stage, batch_size, seq, seed, micro_batches, skip).to_dict()
+            micro_batches: int, repeats: int, fsdp: FSDPOptions) -> list[dict]:
+    return [_measure_stage(rank, world_size, build, stage, batch_size, seq, seed, micro_batches, skip,
+                           repeats, fsdp).to_dict()
             for stage, skip in runs]
 
 
 def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
                      seq: int = 64, seed: int = 0, micro_batches: int = 1, skip_sync=(False,),
+                     repeats: int = REPEATS, fsdp: FSDPOptions = FSDPOptions(),
                      timeout_s: float = 300.0) -> list[RankStep]:
     """Every rank's memory and traffic for one step of each stage, in one start of the processes (lesson 6).
 
@@ -150,6 +153,8 @@ def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
     `functools.partial(course_lib.checkpointing.tiny_decoder, "llama", n_layers=4)`); `batch` is
     each rank's micro-batch; `micro_batches` > 1 accumulates gradients over that many, once for each
     value of `skip_sync` (False: sync every micro-batch; True: only the last, lesson 2's no_sync).
+    `repeats` measured steps per stage (the peak moves from step to step: each RankStep keeps all);
+    `fsdp`: how zero2 and zero3 configure FSDP2 (wrapping, MixedPrecisionPolicy, the root's resharding).
     Returns one RankStep per (stage, skip_sync, rank), in that order.
     """
     unknown = [s for s in stages if s not in ENGINES]
@@ -157,9 +162,11 @@ def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
         raise ValueError(f"unknown stage(s) {', '.join(map(repr, unknown))}: use {', '.join(ENGINES)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     runs = [(stage, bool(skip)) for stage in stages for skip in skip_sync]
-    per_rank = run_ranks(_worker, world_size, build, runs, batch, seq, seed, micro_batches, timeout_s=timeout_s,
-                         what="sharding processes")
+    per_rank = run_ranks(_worker, world_size, build, runs, batch, seq, seed, micro_batches, repeats, fsdp,
+                         timeout_s=timeout_s, what="sharding processes")
     return [RankStep(**per_rank[r][i]) for i in range(len(runs)) for r in range(world_size)]
 
 

@@ -6,11 +6,13 @@ column statistic per matrix (its factored second moment), a full second moment p
 an fp32 RMS scalar per tensor (no first moment: beta1=None);
 bitsandbytes' AdamW8bit two uint8 moments with a float32 absmax per 256 values (32-bit state for
 tensors under 4096 values). Each is built, stepped once on random gradients (state is created
-lazily in the first step) and its state counted storage by storage.
+lazily in the first step) and its state counted storage by storage. Under transformers' Trainer an
+8-bit optimizer keeps 32-bit state for every nn.Embedding (`embeddings_in_32_bits` does the same).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +42,25 @@ LEAN_OPTIMIZERS: dict[str, tuple[str, Callable]] = {
     "adafactor": ("transformers Adafactor", _adafactor),
     "adamw8bit": ("bitsandbytes AdamW8bit", _adamw8bit),
 }
+
+
+@contextlib.contextmanager
+def embeddings_in_32_bits(model: torch.nn.Module):
+    """Inside, a bitsandbytes 8-bit optimizer initialises 32-bit state for the model's nn.Embedding
+    weights, as transformers' Trainer registers it (trainer.py, `register_module_override` with
+    optim_bits=32; lesson 7). Keyed by the parameters themselves (`override_config`), removed on exit;
+    the state is made at the optimizer's first step, so take that step inside."""
+    import bitsandbytes as bnb  # off the import path: bitsandbytes loads its native library
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad]
+    if weights:
+        manager.override_config(weights, "optim_bits", 32)
+    try:
+        yield
+    finally:
+        for weight in weights:
+            manager.pid2config.pop(id(weight), None)
 
 
 @dataclass(frozen=True)

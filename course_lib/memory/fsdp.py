@@ -1,0 +1,208 @@
+"""FSDP2's share of one rank, phase by phase: zero2 and zero3 as `course_lib.sharding.engines` runs them
+(lesson 6, "the planner shards", "FSDP2 as people configure it").
+
+Each parameter is cut along dim 0 into N padded chunks (torch 2.13 `_fsdp_param.py`); each group of
+`fully_shard` (a decoder layer; under torchtitan's wrapping also the input embeddings and
+`[norm, output]`; the root with what is left) is gathered for its forward and again for its backward
+(zero3) or kept gathered from its forward to its backward (zero2), and its gradients are
+reduce-scattered when its backward ends; the root's wait for the final backward callback
+(`_fsdp_state.py` `_root_post_backward_final_callback`). What is alive at once, by phase:
+
+- forward peaks at the output layer and the loss, with the last layer's flat all-gather buffer still
+  held (`_fsdp_collectives.py` foreach_all_gather) and no gradient in the first micro-batch
+  (zero_grad(set_to_none=True));
+- in backward zero3 holds the layer running and the next one prefetched, the running layer's
+  unsharded gradients and the shards reduced so far; at the tail one group's reduce-scatter input (its
+  gradients in the reduce dtype: `post_backward` keeps `reduce_scatter_max_input_buffers` = 1 of them
+  alive until the next group's reduce-scatter is issued), the largest of them counted;
+- zero3 gathers the root again at the start of backward (its flat all-gather buffer beside the
+  unsharded parameters); the last reduce-scatter holds that group's unsharded gradients beside their
+  copy in the reduce dtype;
+- AdamW's step runs on the shards; its temporaries shrink with them.
+
+The plan takes, phase by phase, the largest set that this scheduling lets be alive at once: an upper
+bound. A measured peak moves from run to run below it (lesson 6, "the spread"), because the
+collectives are asynchronous and a buffer is freed when its collective has finished.
+
+Mixed precision is `MixedPrecisionPolicy(param_dtype=16-bit)` on an fp32 model: the shards of the
+weights and of the gradients are fp32 (they are the master weights: no 16-bit shard), the gathered
+weights and the unsharded gradients 16-bit, the reduce-scatter in `setup.fsdp_reduce_dtype` (None:
+the gradients' dtype, FSDP2's default; "fp32": torchtitan's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from course_lib.measure import format_bytes
+from course_lib.memory.activations import checkpointing_changes, layers_backward_peak
+from course_lib.memory.setup import Setup
+from course_lib.memory.states import ModelStates
+from course_lib.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class FSDPGroups:
+    """Elements of each FSDP2 group (lesson 6): `layers` one per decoder layer; `root` what the root
+    keeps; `embeddings` and `head` torchtitan's units; `head_side` the parameters outside the layers
+    that run at the head (the final norm and an untied output layer), whatever group holds them."""
+
+    layers: list[int]
+    root: int
+    embeddings: int
+    head: int
+    head_side: int
+
+
+def layer_and_root_numels(spec: ModelSpec) -> tuple[list[int], int]:
+    """Parameters of each decoder layer (an FSDP2 group each) and of the rest."""
+    layers: dict[int, int] = {}
+    root = 0
+    for info in spec.params:  # info.layer: the decoder layer that layers.find_layer_stack finds
+        if info.layer is None:
+            root += info.numel
+        else:
+            layers[info.layer] = layers.get(info.layer, 0) + info.numel
+    return list(layers.values()), root
+
+
+def fsdp_groups(spec: ModelSpec, wrapping: str) -> FSDPGroups:
+    """The groups `course_lib.sharding.engines.fsdp_units` makes: "blocks" leaves everything outside
+    the layers to the root; "torchtitan" gives the input embeddings (the first embedding outside the
+    layers) and the rest their own groups, and leaves tied embeddings (also the output layer) to the root."""
+    layers, outside_numel = layer_and_root_numels(spec)
+    outside = [info for info in spec.params if info.layer is None]
+    embedding = next((info.numel for info in outside if info.module == "embedding"), 0)
+    head_side = sum(info.numel for info in outside if info.is_lm_head or info.module != "embedding")
+    if wrapping == "blocks":
+        return FSDPGroups(layers, outside_numel, 0, 0, head_side)
+    if not any(info.is_lm_head for info in spec.params):  # tied: the output layer is the input embeddings
+        return FSDPGroups(layers, embedding, 0, outside_numel - embedding, head_side)
+    return FSDPGroups(layers, 0, embedding, outside_numel - embedding, head_side)
+
+
+def fsdp_fraction(spec: ModelSpec, n: int) -> float:
+    """The fraction of the parameters rank 0 holds under FSDP2: dim 0 cut in N chunks, padded."""
+    local = sum(math.ceil(info.shape[0] / n) * info.numel // max(info.shape[0], 1) if info.shape else info.numel
+                for info in spec.params)
+    return local / spec.n_params
+
+
+def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: ModelStates,
+                step_temporaries: int) -> tuple[dict, dict, str]:
+    """One rank's bytes by category under zero2/zero3 (the peak phase's), the details, and a note."""
+    stage, zero3 = setup.shard, setup.shard == "zero3"
+    out = dict(values)
+    fraction = fsdp_fraction(spec, setup.gpus)
+    for category in ("weights", "gradients", "optimizer_state", "master_weights", "quantization"):
+        out[category] = round(values[category] * fraction)
+    grads, weight_bytes = values["gradients"], values["weights"] + values["quantization"]
+    if setup.precision.startswith("mixed"):  # fp32 shards of the weights and the gradients, no 16-bit shard
+        out["weights"], out["master_weights"] = round(4 * spec.n_params * fraction), 0
+        out["gradients"] = round(4 * states.trainable * fraction)
+    gradient_shards = out["gradients"]
+    g = fsdp_groups(spec, setup.fsdp_wrapping)
+    per_param = weight_bytes / spec.n_params  # the dtype the groups are gathered and compute in
+    grad_ratio = grads / max(weight_bytes, 1)  # gradient bytes per weight byte (1 for a full fine-tune)
+    largest, all_layers = max(g.layers) * per_param, sum(g.layers) * per_param
+    root, embeddings, head = g.root * per_param, g.embeddings * per_param, g.head * per_param
+    blocks = setup.fsdp_wrapping == "blocks"
+    # gathered from forward to the end of backward: the root, and under zero2 every group
+    always = root + (0 if zero3 else all_layers + embeddings + head)
+    prefetched = largest if zero3 else 0  # zero2 gathers nothing in backward
+    # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
+    trace_head_grads = g.head_side * per_param * grad_ratio
+    trace_root_grads = (g.root + g.embeddings + g.head) * per_param * grad_ratio
+    # blocks: the root's gradients wait for the final callback; torchtitan: the head group's are
+    # reduce-scattered after its backward, the embeddings' after theirs, at the tail
+    head_grads = trace_head_grads if blocks else head * grad_ratio
+    held_head_grads = trace_head_grads if blocks else 0
+    tail_grads = trace_root_grads if blocks else (root + embeddings) * grad_ratio
+    head_shards = 0 if blocks else gradient_shards * g.head / spec.n_params
+    mixed = setup.precision.startswith("mixed")
+    reduce_size = 4 if setup.fsdp_reduce_dtype == "fp32" else states.grad_itemsize
+    to_reduce = reduce_size / states.grad_itemsize
+    # one group's reduce-scatter input, kept until the next group's reduce-scatter is issued
+    reduce_input = max(largest, head) * grad_ratio * to_reduce
+    # the last reduce-scatter (the root's in the final callback; torchtitan's embeddings'): its unsharded
+    # gradients beside their copy in the reduce dtype (`foreach_reduce_scatter_copy_in`); under mixed
+    # precision the unsharded 16-bit gradients are still alive when the reduced shard is cast to fp32
+    # (measured on gloo), a new gradient shard
+    last = tail_grads
+    new_shard = last * to_reduce / setup.gpus * 4 / reduce_size if mixed else 0
+    # zero3 gathers the root again at the start of backward: its flat all-gather buffer lives beside the
+    # unsharded parameters it is copied into (`foreach_all_gather_copy_out`), the forward's activations kept
+    regather = root if zero3 and setup.fsdp_reshard_root else 0
+    layer_shards = gradient_shards * sum(g.layers) / spec.n_params  # the layers' reduced gradient shards
+    model_states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
+    batch = 2 * setup.batch * setup.seq * 8
+    chosen, held = checkpointing_changes(trace, setup)  # lesson 3's plan, as for one GPU
+    layers_peak = layers_backward_peak(trace, chosen.plan, with_grads=False)
+    share = max(g.layers) / sum(g.layers)
+    above = chosen.forward_bytes * (1 - share)  # the other layers' activations, freed by the first layer's backward
+    # with accumulation (each micro-batch reduce-scattered, FSDP2's default) every gradient shard is held
+    # from the first micro-batch's backward to the step: all of them in every later micro-batch
+    accumulated = gradient_shards if setup.accum > 1 else 0
+    first_layer = not accumulated and layer_shards * (1 - share) > above
+    # each phase as (activations, gradient shards, engine buffers) over the sharded weights and states
+    phases = {
+        # the output layer and the loss (the head group gathered), one layer's flat all-gather buffer still held
+        "forward": (batch + trace.forward_peak_without_grads + held + trace.kept_outputs, accumulated,
+                    always + (head if zero3 else 0) + largest),
+        # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
+        # just the head's (the output layer's as a temporary until it is accumulated)
+        "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + held, accumulated,
+                          always + (head if zero3 else 0) + prefetched + head_grads),
+        # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
+        # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
+        # layer the reduced shards of all the others
+        "layers backward": (batch + layers_peak - (above if first_layer else 0),
+                            max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
+                            always + 2 * prefetched + largest * grad_ratio + held_head_grads),
+        # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
+        # on gloo, torchtitan's head group's is),
+        # the embeddings regathered (zero3, torchtitan) and the gradients reduce-scattered last unsharded
+        # (the trace counts the embeddings' new gradient as a temporary until it is accumulated)
+        "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (trace_root_grads - trace_head_grads)),
+                          max(accumulated, layer_shards + head_shards),
+                          always + (embeddings if zero3 else 0) + tail_grads + reduce_input),
+        "backward start": (batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs, accumulated,
+                           always + regather),
+        # the last reduce-scatter, every other group reduced and resharded, no activation left
+        "final reduce-scatter": (batch + trace.kept_outputs, max(accumulated, layer_shards + head_shards) + new_shard,
+                                 last * (1 + to_reduce)),
+        # AdamW's step on the shards: its temporaries scale with them
+        "optimizer step": (batch + trace.kept_outputs, gradient_shards, 0),
+    }
+    temporaries = round(step_temporaries * fraction)
+    totals = {name: a + gs + b + (temporaries if name == "optimizer step" else 0)
+              for name, (a, gs, b) in phases.items()}
+    phase = max(totals, key=totals.get)
+    activations, grad_shards, buffers = phases[phase]
+    out["activations"], out["gradients"] = round(activations), round(grad_shards)
+    out["sharding_buffers"] = round(buffers)
+    out["optimizer_temporaries"] = temporaries if phase == "optimizer step" else 0
+    detail = dict(engine_model_states=model_states - out["quantization"] + gradient_shards,
+                  peak_phase=phase, forward_peak=round(model_states + totals["forward"]),
+                  backward_peak=round(model_states + max(totals[p] for p in phases
+                                                         if p not in ("forward", "optimizer step"))),
+                  optimizer_step_peak=round(model_states + totals["optimizer step"]),
+                  gradient_shards=gradient_shards,
+                  activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
+                  on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
+    held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
+        "two layers gathered at a time in backward, one layer of unsharded gradients, a group's reduce-scatter " \
+        "input at the tail"
+    wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
+    note = (f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 else ''}; "
+            f"wrapping {wrapping}): an upper bound, the most FSDP2's schedule lets be alive at once (a measured "
+            f"peak moves from run to run below it): root parameters {format_bytes(root)} gathered throughout, one "
+            f"layer {format_bytes(largest)}; {held_layers}; the peak: {phase}, whose categories are shown "
+            "(gradients: the shards live then)"
+            + ("; mixed precision: MixedPrecisionPolicy(param_dtype=16-bit) on an fp32 model, whose fp32 shards "
+               "are the master weights (weights row)" if setup.precision.startswith("mixed") else "")
+            + (f"; with accum {setup.accum} each micro-batch is reduce-scattered (FSDP2's default) and every "
+               f"gradient shard ({format_bytes(gradient_shards)}) is held from the first micro-batch to the step"
+               if accumulated else ""))
+    return out, detail, note
