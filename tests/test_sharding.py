@@ -328,12 +328,14 @@ def test_the_fewest_gpus_check_catches_a_loop_from_2_and_one_past_most(answer, m
         check_fewest_gpus(answer)
 
 
-def _states_by_kind(divide_weights_in_zero2=False, zero1_k=12):
+def _states_by_kind(divide_weights_in_zero2=False, zero1_k=12, whole_weights_in_zero3=False):
     def answer(n_params, gpus, stage):
         divided = {"none": (), "zero1": ("optimizer_states",), "zero2": ("optimizer_states", "gradients"),
                    "zero3": ("optimizer_states", "gradients", "weights")}[stage]
         if divide_weights_in_zero2 and stage == "zero2":  # wrong: the weights' partition, same total
             divided = ("optimizer_states", "weights")
+        if whole_weights_in_zero3 and stage == "zero3":  # wrong: zero3 as zero2, only the weights differ
+            divided = ("optimizer_states", "gradients")
         k = zero1_k if stage == "zero1" else 12
         per_param = {"weights": 2, "gradients": 2, "optimizer_states": k}
         out = {kind: b * n_params / (gpus if kind in divided else 1) for kind, b in per_param.items()}
@@ -361,7 +363,8 @@ def _sent(zero1_passes=3, ring=True):
 @pytest.mark.parametrize("check, right, wrongs", [
     ("check_model_states_per_gpu", _states_by_kind(),
      [(_states_by_kind(divide_weights_in_zero2=True), "partitions the gradients, not the weights"),
-      (_states_by_kind(zero1_k=8), "include the fp32 master")]),
+      (_states_by_kind(zero1_k=8), "include the fp32 master"),
+      (_states_by_kind(whole_weights_in_zero3=True), "weights expected")]),
     ("check_never_fits", _never(), [(_never(context=False), "CUDA context"), (_never(zero1_whole=2), "zero1")]),
     ("check_bytes_sent", _sent(), [(_sent(zero1_passes=2), "not the paper's 2"), (_sent(ring=False), "(N-1)/N")]),
 ])
