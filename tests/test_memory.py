@@ -2,6 +2,7 @@
 optimizers and real quantized layers, activations against measured training steps, the
 checkpointing cost model as the one source of truth, the GPU catalog and "what makes it fit"."""
 
+import contextlib
 import math
 from dataclasses import replace
 import warnings
@@ -133,27 +134,36 @@ def _tiny_llama():
                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
 
 
-@pytest.mark.parametrize("checkpointing, precision", [("none", "fp32"), ("every-layer", "fp32"), ("none", "bf16")])
-def test_peak_matches_a_measured_step_within_2_percent(checkpointing, precision):
+def _tiny_llama_step(setup: Setup, make_optimizer=torch.optim.AdamW, first_step=contextlib.nullcontext):
+    """A seeded tiny Llama on the CPU trained as `setup` says (checkpointing, autocast for amp-*), its
+    step 2 measured (step 1 makes the optimizer state, under `first_step(model)`) and the plan of the same
+    setup: (model, measured, predicted)."""
     config = _tiny_llama()
-    setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
     torch.manual_seed(0)
     model = build_model(config, "cpu", dtype=setup.weight_dtype)
     model.train()
-    if checkpointing != "none":
+    if setup.checkpointing != "none":
         with warnings.catch_warnings():  # transformers 5.23 renames it activation_checkpointing_enable
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters())
-    ids = torch.randint(0, 2048, (2, 96))
+    optimizer = make_optimizer(model.parameters())
+    ids = torch.randint(0, 2048, (setup.batch, setup.seq))
     labels = ids.clone()
 
     def loss_fn():
-        return model(input_ids=ids, labels=labels, use_cache=False).loss
+        with torch.autocast("cpu", dtype=setup.autocast_dtype, enabled=setup.autocast_dtype is not None):
+            return model(input_ids=ids, labels=labels, use_cache=False).loss
 
-    measure_step(model, optimizer, loss_fn, [ids, labels])
+    with first_step(model):
+        measure_step(model, optimizer, loss_fn, [ids, labels])
     measured = measure_step(model, optimizer, loss_fn, [ids, labels])
-    predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
+    return model, measured, plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
+
+
+@pytest.mark.parametrize("checkpointing, precision", [("none", "fp32"), ("every-layer", "fp32"), ("none", "bf16")])
+def test_peak_matches_a_measured_step_within_2_percent(checkpointing, precision):
+    setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
+    _, measured, predicted = _tiny_llama_step(setup)
     assert predicted.bytes["weights"] == measured.parameters
     assert predicted.bytes["gradients"] == measured.gradients
     assert predicted.bytes["optimizer_state"] == measured.optimizer_state
@@ -317,20 +327,8 @@ def test_fused_adamw_keeps_adamw_s_state_and_makes_no_step_temporaries():
 
 
 def test_fused_adamw_is_planned_within_1_percent_of_a_measured_step():
-    config = _tiny_llama()
     setup = Setup(precision="fp32", optimizer="adamw_fused", batch=2, seq=96)
-    torch.manual_seed(0)
-    model = build_model(config, "cpu", dtype=setup.weight_dtype)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    ids = torch.randint(0, 2048, (2, 96))
-
-    def loss_fn():
-        return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-    measure_step(model, optimizer, loss_fn, [ids])
-    measured = measure_step(model, optimizer, loss_fn, [ids])
-    predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
+    _, measured, predicted = _tiny_llama_step(setup, lambda params: torch.optim.AdamW(params, fused=True))
     assert predicted.bytes["optimizer_state"] == measured.optimizer_state
     assert abs(predicted.total - measured.peak) <= 0.01 * measured.peak
 
@@ -343,28 +341,17 @@ def test_bitsandbytes_cpu_step_temporaries_are_planned_as_the_allocator_measures
 
     from course_lib.toolbox import embeddings_in_32_bits
 
-    config = _tiny_llama()
     setup = Setup(precision="fp32", optimizer="adamw8bit", batch=2, seq=96)
-    torch.manual_seed(0)
-    model = build_model(config, "cpu")
-    model.train()
-    optimizer = bnb.optim.AdamW8bit(model.parameters())
-    ids = torch.randint(0, 2048, (2, 96))
-
-    def loss_fn():
-        return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-    with embeddings_in_32_bits(model):  # as the Trainer registers it, and the planner plans it
-        measure_step(model, optimizer, loss_fn, [ids])
-    measured = measure_step(model, optimizer, loss_fn, [ids])
-    spec = spec_from_model(build_model(config), "tiny-llama", config)
-    predicted = plan(spec, setup)
+    # the Trainer's 32-bit embeddings, as the planner plans them
+    model, measured, predicted = _tiny_llama_step(setup, bnb.optim.AdamW8bit, embeddings_in_32_bits)
     largest = max(p.numel() for p in model.parameters())  # the output layer's, as large as the embeddings'
     assert predicted.bytes["optimizer_state"] == measured.optimizer_state
     unseen = measured.phase_peaks["optimizer"] - measured.tracked_phase_peaks["optimizer"]
     assert unseen == pytest.approx(20 * largest, rel=0.01)  # five fp32 copies of the largest tensor
     assert predicted.detail["optimizer_step_temporaries"] == 20 * largest
     assert abs(predicted.total - measured.peak) <= 0.01 * measured.peak
+    config = _tiny_llama()
+    spec = spec_from_model(build_model(config), "tiny-llama", config)
     assert plan(spec, setup, gpu="a100-80gb", suggest=False).detail["optimizer_step_temporaries"] == 0
 
 
@@ -503,25 +490,8 @@ def test_amp_trace_caches_a_16_bit_copy_of_every_linear_weight():
                                                       ("amp-fp16", "none"), ("amp-fp16", "every-layer")])
 def test_amp_plan_matches_a_measured_autocast_step_within_2_percent(precision, checkpointing):
     """fp32 weights and AdamW, the forward under torch.autocast("cpu"), as the Trainer runs bf16=True."""
-    config = _tiny_llama()
     setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
-    torch.manual_seed(0)
-    model = build_model(config, "cpu", dtype=setup.weight_dtype)
-    model.train()
-    if checkpointing != "none":
-        with warnings.catch_warnings():  # transformers 5.23 renames it activation_checkpointing_enable
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters())
-    ids = torch.randint(0, 2048, (2, 96))
-
-    def loss_fn():
-        with torch.autocast("cpu", dtype=setup.autocast_dtype):
-            return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-    measure_step(model, optimizer, loss_fn, [ids])
-    measured = measure_step(model, optimizer, loss_fn, [ids])
-    predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
+    _, measured, predicted = _tiny_llama_step(setup)
     assert predicted.bytes["weights"] == measured.parameters == 4 * predicted.n_params
     assert predicted.bytes["gradients"] == measured.gradients
     assert predicted.bytes["optimizer_state"] == measured.optimizer_state
@@ -529,6 +499,7 @@ def test_amp_plan_matches_a_measured_autocast_step_within_2_percent(precision, c
     # the forward, where autocast's cache holds a copy of every weight (checkpointing or not), on its own
     forward = predicted.bytes["weights"] + predicted.bytes["optimizer_state"] + predicted.detail["forward_peak"]
     assert abs(forward - measured.phase_peaks["forward"]) <= 0.02 * measured.phase_peaks["forward"]
+    config = _tiny_llama()
     fp32 = plan(spec_from_model(build_model(config), "tiny-llama", config), replace(setup, precision="fp32"))
     assert fp32.detail["forward_peak"] != predicted.detail["forward_peak"]  # autocast changes the activations
 
