@@ -193,7 +193,8 @@ def test_the_output_check_catches_what_it_looks_for(tmp_path):
 
 # --- docs/myths.md: every measured number is in the output of the cells its row names ----------
 
-_NUMBER = re.compile(r"(?<![\w.,])(?:\d+\.\d+e[-+]?\d+|\d+e[-+]\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)(?![\w.]*\d)")
+_NUMBER = re.compile(r"(?<![\w.,])(?:\d+\.\d+e[-+]?\d+|\d+e[-+]\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+"
+                     r"|\d+(?= (?:MiB|GiB|KiB|MB|GB|ms)\b))(?![\w.]*\d)")  # decimals, grouped, or with a unit
 _ANY_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
