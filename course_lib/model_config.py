@@ -28,6 +28,7 @@ HUB_IDS = {
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
     "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-2-13b": "meta-llama/Llama-2-13b-hf",
     "llama-2-70b": "meta-llama/Llama-2-70b-hf",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
     "mistral-7b": "mistralai/Mistral-7B-v0.1",

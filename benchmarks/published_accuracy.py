@@ -1,0 +1,241 @@
+"""The planner against published GPU measurements (issue 26; lesson 1, "the planner").
+
+Every row of benchmarks/data/published_runs.csv is one peak someone measured on a GPU and published,
+with its source (repository, file and commit; docs/references.md has an entry per source), the run's
+configuration, the statistic measured (allocated = `torch.cuda.max_memory_allocated`, reserved =
+`max_memory_reserved`, nvidia-smi = reserved plus the CUDA context) and its unit (GB = 10^9 bytes,
+GiB = 2^30). For each row this prints the planner's prediction (`course_lib.memory.plan`, the setup
+`course-lib plan` builds from the same options) beside the published figure, the error, and the fit
+verdict beside a published fit or OOM; then the worst error per statistic.
+
+Rows of Hugging Face stacks (transformers' model code) are the accuracy goal; rows measured on another
+stack's model code (litgpt, torchtune) are a comparison, printed apart; rows left out (their reason in
+the data) are printed last, planned where the planner can. A setup the planner refuses prints its
+one-line refusal.
+
+    .venv/bin/python benchmarks/published_accuracy.py             # every row (traces are cached on disk)
+    .venv/bin/python benchmarks/published_accuracy.py --quick     # the Hugging Face rows only
+    .venv/bin/python benchmarks/published_accuracy.py --rows mm-full,fq-lora-b1-512
+    .venv/bin/python benchmarks/published_accuracy.py --markdown  # the table of docs/planner_accuracy.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from course_lib.errors import UserError
+from course_lib.measure import GiB, MiB
+from course_lib.memory import GPU, GPUS, PlanError, Setup, get_gpu, plan
+
+DATA = Path(__file__).with_name("data") / "published_runs.csv"
+UNITS = {"bytes": 1, "MB": 10**6, "MiB": MiB, "GB": 10**9, "GiB": GiB}
+STATISTICS = ("allocated", "reserved", "active", "nvidia-smi")
+STACKS = ("hf", "comparison")
+OUTCOMES = ("fit", "oom")
+TRUST = {"A": "configuration and statistic as published",
+         "B": "configuration as published; the tokens at the peak an upper bound or the longest sample",
+         "C": "part of the configuration inferred (the row's facts say which)"}
+SHARDINGS = {"none": "none", "fsdp-no-shard": "none", "fsdp-full-shard": "zero3"}  # the data's -> Setup.shard
+REQUIRED = ("id", "source", "ref", "stack", "published_model", "method", "micro_batch", "seq", "tokens_at_peak",
+            "dtype", "autocast", "optimizer", "checkpointing", "gpus", "sharding", "statistic", "unit", "outcome",
+            "trust", "facts")
+# GPUs the planner's catalog does not list, with the total memory nvidia-smi shows for them
+EXTRA_GPUS = {"l40s": GPU("L40S", 46068 * MiB, (8, 9), "48 GB card"),
+              "a6000": GPU("RTX A6000", 49140 * MiB, (8, 6), "48 GB card"),
+              "v100-16gb": GPU("V100 16GB", 16160 * MiB, (7, 0), "16 GB card")}
+
+
+@dataclass
+class Result:
+    row: dict
+    published: int | None  # bytes; None for an OOM
+    predicted: int | None  # bytes of the row's statistic; None when not planned
+    label: str  # how the prediction was made, or why there is none
+    fits: bool | None
+
+
+def load_rows(path: Path = DATA) -> list[dict]:
+    """The rows of the data file, each checked: UserError (one line) naming the first bad field."""
+    with open(path, newline="") as file:
+        rows = list(csv.DictReader(file))
+    seen = set()
+    for number, row in enumerate(rows, start=2):
+        where = f"{path.name} line {number} ({row.get('id') or 'no id'})"
+        missing = [name for name in REQUIRED if not (row.get(name) or "").strip()]
+        if missing:
+            raise UserError(f"{where}: empty {', '.join(missing)}")
+        for name, options in (("unit", UNITS), ("statistic", STATISTICS), ("stack", STACKS), ("outcome", OUTCOMES),
+                              ("trust", TRUST)):
+            if row[name] not in options:
+                raise UserError(f"{where}: unknown {name} {row[name]!r}: use one of {', '.join(options)}")
+        if row["id"] in seen:
+            raise UserError(f"{where}: the id {row['id']!r} is used twice")
+        seen.add(row["id"])
+        if (row["outcome"] == "fit") != bool(row["value"].strip()):
+            raise UserError(f"{where}: a fit has a measured value and an OOM none")
+        if row["sharding"].split("+")[0] not in SHARDINGS:
+            raise UserError(f"{where}: unknown sharding {row['sharding']!r}: use one of {', '.join(SHARDINGS)}")
+        if row["method"] != "full" and not row["lora_rank"].strip():
+            raise UserError(f"{where}: a {row['method']} row needs its lora_rank")
+    return rows
+
+
+def published_bytes(row: dict) -> int | None:
+    """The published figure in bytes (GB = 10^9, GiB = 2^30), None for an OOM."""
+    return round(float(row["value"]) * UNITS[row["unit"]]) if row["value"].strip() else None
+
+
+def setup_of(row: dict) -> Setup:
+    """The planner's setup for a row: what `course-lib plan` builds from the same options."""
+    gpus = int(row["gpus"])
+    lora = row["method"] != "full"
+    if row["quant"] not in ("", "none"):
+        precision = row["dtype"]  # a 4-bit base is planned in its compute dtype
+    elif row["autocast"] != "none":  # torch.autocast on one GPU; FSDP's MixedPrecision of an fp32 model
+        precision = f"amp-{row['autocast']}" if gpus == 1 else f"mixed-{row['autocast']}"
+    else:
+        precision = row["dtype"]
+    targets = row["lora_targets"].strip()
+    return Setup(precision=precision, optimizer=row["optimizer"], batch=int(row["micro_batch"]), seq=int(row["seq"]),
+                 checkpointing=row["checkpointing"], quant=row["quant"] or "none",
+                 lora_rank=int(row["lora_rank"]) if lora else 0,
+                 lora_targets=(targets if targets == "all-linear" else tuple(targets.split())) if lora else "all-linear",
+                 lora_dropout=float(row["lora_dropout"] or 0) if lora else 0.0,
+                 gpus=None if gpus == 1 else gpus, shard=SHARDINGS[row["sharding"].split("+")[0]])
+
+
+def card_of(row: dict) -> GPU | None:
+    name = row["gpu"].strip()
+    return EXTRA_GPUS.get(name) or (get_gpu(name) if name else None)
+
+
+def predicted_bytes(result_plan, statistic: str) -> tuple[int, str]:
+    """The planner's figure for a published statistic, and its label. The one place a reserved prediction
+    plugs in: a Plan with a `reserved` attribute (or bytes["reserved"]) is compared as it is; until then
+    the reserved statistic is compared with the allocated prediction, labelled "alloc"."""
+    allocated = result_plan.total - result_plan.bytes["overhead"]  # max_memory_allocated has no CUDA context
+    reserved = getattr(result_plan, "reserved", None) or result_plan.bytes.get("reserved")
+    if statistic in ("allocated", "active"):
+        return allocated, "allocated"
+    if statistic == "reserved":
+        return (reserved, "reserved") if reserved else (allocated, "alloc")
+    context = result_plan.bytes["overhead"]  # nvidia-smi: what the allocator holds plus the CUDA context
+    return ((reserved + context, "reserved+ctx") if reserved else (allocated + context, "alloc+ctx"))
+
+
+def evaluate(row: dict) -> Result:
+    published = published_bytes(row)
+    if not row["model"].strip():
+        return Result(row, published, None, "not planned: no bundled config", None)
+    if "unknown" in row.values():
+        return Result(row, published, None, "not planned: config incomplete", None)
+    if "+" in row["sharding"]:
+        return Result(row, published, None, f"not planned: {row['sharding'].split('+')[1]}", None)
+    try:
+        result_plan = plan(row["model"], setup_of(row), gpu=card_of(row), suggest=False)
+    except PlanError as error:
+        return Result(row, published, None, f"refused: {error}", None)
+    predicted, label = predicted_bytes(result_plan, row["statistic"])
+    return Result(row, published, predicted, label, result_plan.fits)
+
+
+def error_percent(result: Result) -> float | None:
+    if result.published is None or result.predicted is None:
+        return None
+    return 100 * (result.predicted - result.published) / result.published
+
+
+def verdict(result: Result) -> str:
+    """The fit verdict beside the published outcome: 'fit ok', 'OOM ok', or what went wrong."""
+    if result.fits is None:
+        return "-"
+    said = "fits" if result.fits else "OOM"
+    right = result.fits == (result.row["outcome"] == "fit")
+    return f"{said} {'ok' if right else 'WRONG'}"
+
+
+def _configuration(row: dict) -> str:
+    method = row["method"] + (f" r{row['lora_rank']}" if row["method"] != "full" else "") \
+        + (f" {row['quant']}" if row["quant"] not in ("", "none") else "")
+    gpus = f"{row['gpus']}x{row['gpu'] or '?'}" + ("" if row["sharding"] == "none" else f" {row['sharding']}")
+    return f"{row['published_model'].split('/')[-1]}, {method}, b{row['micro_batch']}x{row['seq']}, {gpus}"
+
+
+def table(results: list[Result], markdown: bool) -> list[str]:
+    head = ("row", "configuration", "statistic", "published GiB", "predicted GiB", "error", "verdict")
+    lines = []
+    for result in results:
+        error = error_percent(result)
+        cells = (result.row["id"], _configuration(result.row), f"{result.row['statistic']} ({result.row['trust']})",
+                 "OOM" if result.published is None else f"{result.published / GiB:.2f}",
+                 result.label if result.predicted is None else f"{result.predicted / GiB:.2f} {result.label}",
+                 "" if error is None else f"{error:+.1f}%", verdict(result))
+        lines.append(cells)
+    if markdown:
+        return [f"| {' | '.join(head)} |", f"|{'---|' * len(head)}"] + [f"| {' | '.join(c)} |" for c in lines]
+    return [f"{c[0]:<28} {c[1]:<62} {c[2]:<14} {c[3]:>8} {c[4]:>20} {c[5]:>7}  {c[6]}" for c in lines]
+
+
+def worst_errors(results: list[Result]) -> list[str]:
+    """The worst error (in absolute value) per statistic, with its row."""
+    lines = []
+    for statistic in STATISTICS:
+        scored = [(abs(e), e, r.row["id"]) for r in results
+                  if r.row["statistic"] == statistic and (e := error_percent(r)) is not None]
+        if scored:
+            _, error, row_id = max(scored)
+            lines.append(f"  {statistic}: worst {error:+.1f}% ({row_id}), over {len(scored)} rows")
+    wrong = [r.row["id"] for r in results if verdict(r).endswith("WRONG")]
+    lines.append(f"  fit verdicts: {sum(verdict(r).endswith('ok') for r in results)} right, "
+                 f"{len(wrong)} wrong{': ' + ', '.join(wrong) if wrong else ''}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the Hugging Face rows that are not left out")
+    parser.add_argument("--rows", help="comma-separated row ids")
+    parser.add_argument("--markdown", action="store_true", help="Markdown tables (docs/planner_accuracy.md)")
+    parser.add_argument("--data", type=Path, default=DATA, help="the CSV file (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        rows = load_rows(args.data)
+    except (UserError, OSError) as error:
+        print(f"published_accuracy: {error}", file=sys.stderr)
+        return 2
+    if args.rows:
+        wanted = args.rows.split(",")
+        unknown = sorted(set(wanted) - {row["id"] for row in rows})
+        if unknown:
+            print(f"published_accuracy: unknown row id(s) {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        rows = [row for row in rows if row["id"] in wanted]
+    groups = {"Hugging Face stacks": [r for r in rows if r["stack"] == "hf" and not r["exclusion"]],
+              "Comparison: litgpt and torchtune model code": [r for r in rows if r["stack"] == "comparison"
+                                                              and not r["exclusion"]],
+              "Left out (the reason in the data; planned where the planner can)": [r for r in rows if r["exclusion"]]}
+    if args.quick:
+        groups = dict(list(groups.items())[:1])
+    for title, members in groups.items():
+        if not members:
+            continue
+        results = [evaluate(row) for row in members]
+        print(f"\n{'### ' if args.markdown else ''}{title}\n")
+        print("\n".join(table(results, args.markdown)))
+        if not title.startswith("Left out"):
+            print("\nWorst error per statistic (predicted - published, % of published):" + ("\n" if args.markdown else ""))
+            print("\n".join(worst_errors(results)))
+        else:
+            print("\nWhy each is left out:" + ("\n" if args.markdown else ""))
+            print("\n".join(f"  {r['id']}: {r['exclusion']}" for r in members))
+    print(f"\nalloc: the reserved statistic compared with the allocated prediction (the planner has no reserved "
+          f"figure yet); trust grades: {'; '.join(f'{k} {v}' for k, v in TRUST.items())}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
