@@ -41,7 +41,7 @@ TRUST = {"A": "configuration and statistic as published",
          "C": "part of the configuration inferred (the row's facts say which)"}
 SHARDINGS = {"none": "none", "fsdp-no-shard": "none", "fsdp-full-shard": "zero3"}  # the data's -> Setup.shard
 REQUIRED = ("id", "source", "ref", "stack", "published_model", "method", "micro_batch", "seq", "tokens_at_peak",
-            "dtype", "autocast", "optimizer", "checkpointing", "gpus", "sharding", "statistic", "unit", "outcome",
+            "dtype", "autocast", "optimizer", "checkpointing", "autocast_adapter_dtype", "gpus", "sharding", "statistic", "unit", "outcome",
             "trust", "facts")
 # GPUs the planner's catalog does not list, with the total memory nvidia-smi shows for them
 EXTRA_GPUS = {"l40s": GPU("L40S", 46068 * MiB, (8, 9), "48 GB card"),
@@ -79,6 +79,9 @@ def load_rows(path: Path = DATA) -> list[dict]:
             raise UserError(f"{where}: a fit has a measured value and an OOM none")
         if row["sharding"].split("+")[0] not in SHARDINGS:
             raise UserError(f"{where}: unknown sharding {row['sharding']!r}: use one of {', '.join(SHARDINGS)}")
+        if row["autocast_adapter_dtype"] not in ("True", "False"):
+            raise UserError(f"{where}: autocast_adapter_dtype is True (peft's default since 0.11: fp32 adapters) or "
+                            "False (adapters in the base's dtype)")
         if row["method"] != "full" and not row["lora_rank"].strip():
             raise UserError(f"{where}: a {row['method']} row needs its lora_rank")
     return rows
@@ -105,6 +108,7 @@ def setup_of(row: dict) -> Setup:
                  lora_rank=int(row["lora_rank"]) if lora else 0,
                  lora_targets=(targets if targets == "all-linear" else tuple(targets.split())) if lora else "all-linear",
                  lora_dropout=float(row["lora_dropout"] or 0) if lora else 0.0,
+                 autocast_adapter_dtype=row["autocast_adapter_dtype"] == "True",
                  gpus=None if gpus == 1 else gpus, shard=SHARDINGS[row["sharding"].split("+")[0]])
 
 

@@ -44,6 +44,10 @@ class Setup:
     lora_rank > 0 trains LoRA adapters (fp32, peft's default) on `lora_targets` and freezes the base;
     lora_dropout: peft's dropout on each adapter's input (0.0, peft's default; the QLoRA paper used
     0.05 and 0.1): a dropped copy of that input and, for backward, its mask (a byte a value on a GPU).
+    autocast_adapter_dtype: peft's get_peft_model(autocast_adapter_dtype=True), its default since v0.11
+    (pull request 1706): 16-bit adapters are upcast to fp32, and each adapter's input is cast to fp32;
+    False keeps the adapters (their gradients and torch optimizer state) in the base's dtype, as peft did
+    before (docs/references.md#peft-0212-peftmapping_funcpy-autocast_adapter_dtype).
     quant "nf4"/"nf4-dq" stores the frozen linear layers in 4 bits (QLoRA; needs lora_rank > 0).
     prepare_kbit: peft's prepare_model_for_kbit_training, which upcasts every non-quantized
     parameter to fp32.
@@ -67,6 +71,7 @@ class Setup:
     lora_rank: int = 0
     lora_targets: str | tuple[str, ...] = "all-linear"
     lora_dropout: float = 0.0
+    autocast_adapter_dtype: bool = True
     quant: str = "none"
     prepare_kbit: bool = False
     batch: int = 1
@@ -107,6 +112,8 @@ class Setup:
         if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
                 or not 0 <= self.lora_dropout < 1:
             raise PlanError(f"lora dropout must be a probability from 0 up to (not including) 1, got {self.lora_dropout!r}")
+        if not isinstance(self.autocast_adapter_dtype, bool):
+            raise PlanError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if self.lora_rank == 0 and self.lora_dropout:
             raise PlanError(f"lora dropout {self.lora_dropout} without a LoRA rank: give lora_rank R > 0")
         if self.adam_state is not None and self.optimizer not in ("adamw", "adamw_fused", "momentum", "adafactor"):

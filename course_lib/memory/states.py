@@ -211,8 +211,11 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
             trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=wsize,
             state_itemsize=state_size)
 
-    # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default).
+    # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default);
+    # autocast_adapter_dtype=False: adapters, gradients and torch optimizer state in the base's dtype.
     lora = _lora_shapes(spec, setup)
+    adapter_size = 4 if setup.autocast_adapter_dtype else wsize
+    adapter_state = 4 if (setup.adam_state == "fp32" or not torch_opt) else adapter_size
     lora_numels = [math.prod(s) for s in lora]
     weights = quantization = 0
     base_size = 4 if setup.prepare_kbit else wsize
@@ -224,10 +227,10 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
             quantization += meta
         else:
             weights += info.numel * base_size
-    weights += 4 * sum(lora_numels)
+    weights += adapter_size * sum(lora_numels)
     return ModelStates(
-        weights=weights, gradients=4 * sum(lora_numels),
-        optimizer_state=optimizer_state_bytes(setup.optimizer, lora_numels, 4, lora, step_counters,
-                                                  setup.optimizer_in_backward),
+        weights=weights, gradients=adapter_size * sum(lora_numels),
+        optimizer_state=optimizer_state_bytes(setup.optimizer, lora_numels, adapter_state, lora, step_counters,
+                                              setup.optimizer_in_backward),
         master_weights=0, quantization=quantization, trainable=sum(lora_numels), frozen=spec.n_params,
-        trainable_shapes=lora, grad_itemsize=4, state_itemsize=4)
+        trainable_shapes=lora, grad_itemsize=adapter_size, state_itemsize=adapter_state)

@@ -197,7 +197,7 @@ class Trace:
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets),
-            float(setup.lora_dropout), setup.quant != "none",
+            float(setup.lora_dropout), setup.autocast_adapter_dtype, setup.quant != "none",
             setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop,
             setup.chunked_loss, setup.offload_activations,
             (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None)
@@ -247,7 +247,12 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
             warnings.simplefilter("ignore")
             model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
                                                      target_modules=targets, lora_dropout=setup.lora_dropout,
-                                                     init_lora_weights=False))  # values: none on meta
+                                                     init_lora_weights=False),  # values: none on meta
+                                   autocast_adapter_dtype=setup.autocast_adapter_dtype)
+        if not setup.autocast_adapter_dtype:  # peft casts adapters to the base's dtype, but skips meta ones
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(setup.weight_dtype)
     return model
 
 
