@@ -184,7 +184,7 @@ def table(results: list[Result], markdown: bool) -> list[str]:
     return [f"{c[0]:<28} {c[1]:<62} {c[2]:<14} {c[3]:>8} {c[4]:>20} {c[5]:>7}  {c[6]}" for c in lines]
 
 
-def worst_errors(results: list[Result]) -> list[str]:
+def worst_errors(results: list[Result], bullet: str = "  ") -> list[str]:
     """The worst error (in absolute value) per statistic, with its row."""
     lines = []
     for statistic in STATISTICS:
@@ -192,9 +192,9 @@ def worst_errors(results: list[Result]) -> list[str]:
                   if r.row["statistic"] == statistic and (e := error_percent(r)) is not None]
         if scored:
             _, error, row_id = max(scored)
-            lines.append(f"  {statistic}: worst {error:+.1f}% ({row_id}), over {len(scored)} rows")
+            lines.append(f"{bullet}{statistic}: worst {error:+.1f}% ({row_id}), over {len(scored)} rows")
     wrong = [r.row["id"] for r in results if verdict(r).endswith("WRONG")]
-    lines.append(f"  fit verdicts: {sum(verdict(r).endswith('ok') for r in results)} right, "
+    lines.append(f"{bullet}fit verdicts: {sum(verdict(r).endswith('ok') for r in results)} right, "
                  f"{len(wrong)} wrong{': ' + ', '.join(wrong) if wrong else ''}")
     return lines
 
@@ -232,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(table(results, args.markdown)))
         if not title.startswith("Left out"):
             print("\nWorst error per statistic (predicted - published, % of published):" + ("\n" if args.markdown else ""))
-            print("\n".join(worst_errors(results)))
+            print("\n".join(worst_errors(results, "- " if args.markdown else "  ")))
         else:
             print("\nWhy each is left out:" + ("\n" if args.markdown else ""))
-            print("\n".join(f"  {r['id']}: {r['exclusion']}" for r in members))
+            print("\n".join(f"{'- ' if args.markdown else '  '}{r['id']}: {r['exclusion']}" for r in members))
     print(f"\nalloc: the reserved statistic compared with the allocated prediction (the planner has no reserved "
           f"figure yet); trust grades: {'; '.join(f'{k} {v}' for k, v in TRUST.items())}.")
     return 0
