@@ -41,8 +41,8 @@ TRUST = {"A": "configuration and statistic as published",
          "C": "part of the configuration inferred (the row's facts say which)"}
 SHARDINGS = {"none": "none", "fsdp-no-shard": "none", "fsdp-full-shard": "zero3"}  # the data's -> Setup.shard
 REQUIRED = ("id", "source", "ref", "stack", "published_model", "method", "micro_batch", "seq", "tokens_at_peak",
-            "dtype", "autocast", "optimizer", "checkpointing", "autocast_adapter_dtype", "gpus", "sharding", "statistic", "unit", "outcome",
-            "trust", "facts")
+            "dtype", "autocast", "optimizer", "checkpointing", "autocast_adapter_dtype", "gpus", "sharding",
+            "statistic", "unit", "outcome", "trust", "facts")
 # GPUs the planner's catalog does not list, with the total memory nvidia-smi shows for them
 EXTRA_GPUS = {"l40s": GPU("L40S", 46068 * MiB, (8, 9), "48 GB card"),
               "a6000": GPU("RTX A6000", 49140 * MiB, (8, 6), "48 GB card"),
