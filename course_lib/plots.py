@@ -131,7 +131,9 @@ def plot_paging_timeline(result: SimulationResult, ax=None, *, steps: Sequence[i
 
 def plot_sharding(steps: Sequence, predicted: dict | None = None, title: str | None = None):
     """Rank 0's measured peak for each (world size, stage), stacked: the model states measured after the
-    step (a step starts with no gradients), then the rest of the peak; the planner's peak as a marker when `predicted` maps (world size, stage) to bytes (lesson 6, "measured, rank by rank")."""
+    step (a step starts with no gradients), then the rest of the peak; the planner's peak as a marker when
+    `predicted` maps (world size, stage) to bytes; the legend below the axes (lesson 6, "measured, rank by
+    rank")."""
     rows = sorted((s for s in steps if s.rank == 0), key=lambda s: (s.world_size, s.stage))
     positions = range(len(rows))
     parts = [("parameters (after the step)", [s.parameters for s in rows]),
@@ -152,7 +154,8 @@ def plot_sharding(steps: Sequence, predicted: dict | None = None, title: str | N
                                     for s in rows],
                   fontsize=8)
     ax.set_ylabel("peak memory of one rank (MiB)")
-    ax.legend(fontsize=8)
+    # below the stage names, outside the axes: inside, it hides the tallest bars and their markers
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     if title:
         ax.set_title(title)
     fig.tight_layout()

@@ -67,3 +67,23 @@ def test_paging_timeline_has_one_lane_per_kind_of_work():
     lanes = {s.lane for s in result.timeline if s.step in (1, 2)}
     assert len(ax.collections) == len(lanes)
     assert [t.get_text().strip() for t in ax.texts] == ["step 1", "step 2"]
+
+
+def test_sharding_bars_stack_to_each_peak_with_the_legend_clear_of_the_axes():
+    from types import SimpleNamespace
+
+    steps = [SimpleNamespace(rank=rank, world_size=n, stage=stage, parameters=MiB // n, gradients=MiB // n,
+                             optimizer_state=2 * MiB // n, model_states=4 * MiB // n, peak=(5 + n) * MiB)
+             for n in (1, 2) for stage in ("none", "zero3") for rank in range(n)]
+    predicted = {(s.world_size, s.stage): s.peak + MiB for s in steps}
+    fig = plots.plot_sharding(steps, predicted, title="test")
+    ax = fig.axes[0]
+    heights = [0.0] * 4
+    for container in ax.containers:
+        for i, bar in enumerate(container):
+            heights[i] += bar.get_height()
+    assert heights == pytest.approx([6, 6, 7, 7])  # rank 0 of (1, none), (1, zero3), (2, none), (2, zero3)
+    assert "(MiB)" in ax.get_ylabel() and max(ax.lines[0].get_ydata()) < ax.get_ylim()[1]  # markers inside
+    fig.canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.y1 <= axes.y0, "the legend hides bars and markers when it is drawn inside the axes"
