@@ -90,6 +90,8 @@ MUTANTS = [
       KILLS, "tests/test_toolbox.py"),
     m("toolbox.mean_over_all_positions", "toolbox/chunked_loss.py",
       "return total / (targets != ignore_index).sum()", "return total / targets.numel()", "tests/test_toolbox.py"),
+    m("toolbox.recompute_swapped", "toolbox/chunked_loss.py", "        if recompute:", "        if not recompute:",
+      "tests/test_toolbox.py"),
     m("toolbox.zero_bytes_refused", "toolbox/activation_offload.py", "if value < 0:", "if value <= 0:",
       KILLS, "tests/test_toolbox.py"),
     # memory, the planner (floor 3)
@@ -97,6 +99,8 @@ MUTANTS = [
       "rank = len(sizes) - 1 - sizes[::-1].index(min(sizes))", KILLS, "tests/test_sharding.py"),
     m("memory.zero1_smallest_first", "memory/sharded.py", "for shape in sorted(shapes, key=math.prod, reverse=True):",
       "for shape in sorted(shapes, key=math.prod):", KILLS, "tests/test_sharding.py"),
+    m("memory.offload_weights_copied_once", "memory/sharded.py", '"pcie_per_step": 2 * fp32_weights + fp32_grads}',
+      '"pcie_per_step": fp32_weights + fp32_grads}', "tests/test_sharding.py"),
     m("memory.paper_shares_floored", "memory/sharded.py", "out[category] = math.ceil(values[category] / n)",
       "out[category] = values[category] // n", KILLS, "tests/test_sharding.py"),
     m("memory.int32_token_ids", "memory/activations.py", "batch = 2 * setup.batch * setup.seq * 8",

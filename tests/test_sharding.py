@@ -161,11 +161,52 @@ def test_a_port_taken_before_the_ranks_start_is_retried_on_a_new_one(monkeypatch
     assert len(handed) == 2  # the taken port failed, and the ranks started again on a free one
 
 
-def test_offload_moves_the_shards_and_nothing_else():
-    p = plan(int(7.5e9), precision="mixed-bf16", gpus=64, shard="zero3")
+def _offload_traffic(rank, world_size, fsdp):
+    """One FSDP2 zero3 step under CPUOffloadPolicy (gloo, CPU), as the real engine copies its shards: the
+    bytes of the fp32 weight shard each time FSDPParam.all_gather_inputs copies it to the device, of each
+    gradient shard foreach_reduce copies back to the host, and what stays in host memory after the step."""
+    import math
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from course_lib.measure import optimizer_state_tensors, storage_bytes
+    moved = {"to_device": 0, "to_host": 0}
+    gather_inputs, reduce = _fsdp_param.FSDPParam.all_gather_inputs.fget, _fsdp_param_group.foreach_reduce
+
+    def counted_gather_inputs(param):  # on a GPU: sharded_param_data.to(device) when offload_to_cpu
+        if param.offload_to_cpu and param.sharded_state == _fsdp_param.ShardedState.SHARDED:
+            moved["to_device"] += param._sharded_param_data.untyped_storage().nbytes()
+        return gather_inputs(param)
+
+    def counted_reduce(fsdp_params, unsharded_grads, *args, **kwargs):  # on a GPU: new_sharded_grad.to("cpu")
+        moved["to_host"] += sum(math.prod(p.sharded_size) * g.element_size()
+                                for p, g in zip(fsdp_params, unsharded_grads) if p.offload_to_cpu)
+        return reduce(fsdp_params, unsharded_grads, *args, **kwargs)
+
+    _fsdp_param.FSDPParam.all_gather_inputs = property(counted_gather_inputs)  # this rank's process only
+    _fsdp_param_group.foreach_reduce = counted_reduce
+    torch.manual_seed(0)
+    model, optimizer = wrap(BUILD(), "zero3", world_size, offload_policy=CPUOffloadPolicy(pin_memory=False), fsdp=fsdp)
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    for step in range(2):  # the second step is measured: the first one also initialises the engine
+        moved.update(to_device=0, to_host=0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    held = [*model.parameters(), *(p.grad for p in model.parameters()), *optimizer_state_tensors(optimizer)]
+    return {**moved, "host": storage_bytes(getattr(t, "to_local", lambda: t)() for t in held)}  # DTensors: the shards
+
+
+@pytest.mark.parametrize("fsdp, options", [
+    (FSDPOptions(), {}),
+    pytest.param(FSDPOptions(reshard_root=False), dict(fsdp_reshard_root=False), marks=pytest.mark.xfail(
+        strict=True, reason="offload_prediction counts two copies of the root's weight shards a step; a root "
+                            "kept gathered after forward is copied once"))], ids=["default", "root kept gathered"])
+def test_offload_moves_what_fsdp2s_cpu_offload_copies(spec, fsdp, options):
+    p = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard="zero3", **options)
     off = offload_prediction(p)
-    assert off["gpu"] + off["cpu"] == p.total and off["cpu"] == pytest.approx(16 * 7.5e9 / 64, abs=64)
-    assert off["pcie_per_step"] == pytest.approx(3 * 4 * 7.5e9 / 64, abs=64)  # two fp32 weight copies in, one out
+    assert off["gpu"] < p.total
+    for rank, engine in enumerate(run_ranks(_offload_traffic, N, fsdp, timeout_s=240)):
+        assert off["cpu"] == pytest.approx(engine["host"], rel=0.02), rank
+        assert off["pcie_per_step"] == pytest.approx(engine["to_device"] + engine["to_host"], rel=0.02), (rank, engine)
     with pytest.raises(PlanError, match="zero3"):
         offload_prediction(plan(int(7.5e9), precision="mixed-bf16", gpus=64, shard="zero2"))
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from course_lib import memory
-from course_lib.measure import optimizer_state_tensors, peak_bytes, storage_bytes
+from course_lib.measure import LiveStorageTracker, optimizer_state_tensors, peak_bytes, storage_bytes
 from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, accumulation_breaks,
                                 bytes_per_parameter, chunked_causal_lm_loss, chunked_cross_entropy, clipping_breaks,
                                 state_tensors, stepped_optimizer, transfer_seconds)
@@ -126,9 +126,9 @@ def hf_loss(logits, labels, ignore_index=-100, num_items_in_batch=None):
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 3), seq=st.integers(1, 24), hidden=st.integers(1, 12), vocab=st.integers(2, 40),
        chunk=st.integers(1, 30), ignore_index=st.sampled_from([-100, 0, -1]), padded=st.integers(0, 24),
-       bias=st.booleans(), items=st.booleans(), seed=st.integers(0, 2**16))
+       bias=st.booleans(), items=st.booleans(), recompute=st.booleans(), seed=st.integers(0, 2**16))
 def test_chunked_loss_equals_the_plain_loss_and_every_gradient(batch, seq, hidden, vocab, chunk, ignore_index,
-                                                                padded, bias, items, seed):
+                                                                padded, bias, items, recompute, seed):
     generator = torch.Generator().manual_seed(seed)
     h = torch.randn(batch, seq, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
     w = torch.randn(vocab, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -140,7 +140,7 @@ def test_chunked_loss_equals_the_plain_loss_and_every_gradient(batch, seq, hidde
     plain = hf_loss(F.linear(h, w, b), labels, ignore_index, num_items)
     plain_grads = torch.autograd.grad(plain, [h, w] + ([b] if bias else []), allow_unused=True)
     chunked = chunked_cross_entropy(h, w, labels, chunk, bias=b, ignore_index=ignore_index,
-                                    num_items_in_batch=num_items)
+                                    num_items_in_batch=num_items, recompute=recompute)
     if count == 0 and not items:  # nothing to score: HF's mean is 0/0, so is ours
         assert torch.isnan(plain) and torch.isnan(chunked)
         return
@@ -171,6 +171,22 @@ def test_chunked_loss_of_a_hugging_face_model_and_its_peak():
     chunked_peak = peak_bytes(lambda: chunked_causal_lm_loss(model, ids, labels, 32).backward(), live, CPU)
     logits = 2 * 128 * 4096 * 4
     assert plain_peak - chunked_peak > 2 * logits  # at least the logits and their gradient
+
+
+def test_chunks_without_recompute_keep_every_chunks_log_softmax_and_recomputed_ones_none():
+    torch.manual_seed(0)
+    h = torch.randn(2, 256, 32, requires_grad=True)
+    w = torch.randn(4096, 32, requires_grad=True)
+    labels = torch.randint(0, 4096, (2, 256))
+    kept = {}
+    for recompute in (False, True):
+        tracker = LiveStorageTracker()  # h and w are not watched: what forward adds and keeps
+        with tracker:
+            loss = chunked_cross_entropy(h, w, labels, 64, recompute=recompute)
+            kept[recompute] = tracker.current
+        loss.backward()
+    assert kept[False] >= 2 * 256 * 4096 * 4  # the fp32 log-softmax of every token, saved for backward
+    assert kept[True] < 64 * 4096 * 4  # less than one chunk's
 
 
 @pytest.mark.parametrize("chunk", [0, -1, 2.5, True])

@@ -101,7 +101,8 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
         # transformers' Adafactor (the Trainer's optim="adafactor"; lesson 7 measures it): a row and a
         # column statistic per matrix, the full second moment of vectors, fp32 whatever the parameter's
         # dtype (pass state_itemsize 4), and an fp32 RMS scalar per tensor on the parameter's device.
-        # torch.optim.Adafactor has the same layout in fp32 (its step tensor in place of the RMS).
+        # torch.optim.Adafactor is another layout in memory: its row_var/col_var/variance are made with
+        # p.grad.new_zeros, in the gradient's dtype (half these bytes for a bf16 gradient; lesson 7 measures it).
         if shapes is None:
             raise PlanError("adafactor's state depends on tensor shapes: give a model, not only --params")
         total = 0

@@ -34,12 +34,14 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                           *, bias: torch.Tensor | None = None, ignore_index: int = -100,
                           num_items_in_batch: int | torch.Tensor | None = None, softcap: float | None = None,
-                          shift: bool = True) -> torch.Tensor:
+                          shift: bool = True, recompute: bool = True) -> torch.Tensor:
     """The causal LM loss of `hidden` (batch, seq, hidden) under the output layer `weight` (vocab,
     hidden), `chunk_size` tokens at a time (lesson 7, "chunked loss"); equal to Hugging Face's loss of
     `F.linear(hidden, weight, bias)` within float rounding, gradients included.
 
     `shift=False`: `labels` are already aligned with the positions (HF's `shift_labels`).
+    `recompute=False`: the chunks without `torch.utils.checkpoint`, so that forward keeps each chunk's
+    fp32 log-softmax for backward (lesson 7 measures what chunking alone buys).
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
@@ -50,8 +52,11 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     flat = hidden.reshape(-1, hidden.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(flat.split(chunk_size), targets.split(chunk_size)):
-        total = total + checkpoint(_chunk_loss_sum, h, weight, bias, y, softcap, ignore_index,
-                                   use_reentrant=False, preserve_rng_state=False)
+        if recompute:
+            total = total + checkpoint(_chunk_loss_sum, h, weight, bias, y, softcap, ignore_index,
+                                       use_reentrant=False, preserve_rng_state=False)
+        else:
+            total = total + _chunk_loss_sum(h, weight, bias, y, softcap, ignore_index)
     if num_items_in_batch is None:
         return total / (targets != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
