@@ -114,11 +114,13 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
     trace_head_grads = g.head_side * per_param * grad_ratio
     trace_root_grads = (g.root + g.embeddings + g.head) * per_param * grad_ratio
+    # torchtitan's head group can hold an input-side parameter (GPT-2's position embeddings): it stays
+    # gathered until that parameter's gradient, at the tail (measured on gloo)
+    head_input = 0 if blocks else (g.head - g.head_side) * per_param
     # blocks: the root's gradients wait for the final callback; torchtitan: the head group's are
-    # reduce-scattered after its backward, the embeddings' after theirs, at the tail
-    head_grads = trace_head_grads if blocks else head * grad_ratio
+    # reduce-scattered after its backward (an input-side parameter's at the tail), the embeddings' at the tail
     held_head_grads = trace_head_grads if blocks else 0
-    tail_grads = trace_root_grads if blocks else (root + embeddings) * grad_ratio
+    tail_grads = trace_root_grads if blocks else (root + embeddings + head_input) * grad_ratio
     head_shards = 0 if blocks else gradient_shards * g.head / spec.n_params
     mixed = setup.precision.startswith("mixed")
     reduce_size = 4 if setup.fsdp_reduce_dtype == "fp32" else states.grad_itemsize
@@ -134,6 +136,10 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # zero3 gathers the root again at the start of backward: its flat all-gather buffer lives beside the
     # unsharded parameters it is copied into (`foreach_all_gather_copy_out`), the forward's activations kept
     regather = root if zero3 and setup.fsdp_reshard_root else 0
+    # the overlap of the high runs (measured on gloo, the live storages at each rank's peak): FSDP2 frees an
+    # all-gather's flat buffer in backward right after its copy-out, but gloo's worker thread drops its own
+    # reference later; the root's `pre_backward` (`_fsdp_param_group.py`: unshard, wait_for_unshard,
+    # _backward_prefetch) issues the last layer's all-gather while the root's buffer can still be alive
     layer_shards = gradient_shards * sum(g.layers) / spec.n_params  # the layers' reduced gradient shards
     model_states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
@@ -153,22 +159,23 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
         "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + held, accumulated,
-                          always + (head if zero3 else 0) + prefetched + head_grads),
+                          always + (head if zero3 else 0) + prefetched + trace_head_grads),
         # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
         # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
         # layer the reduced shards of all the others
         "layers backward": (batch + layers_peak - (above if first_layer else 0),
                             max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
-                            always + 2 * prefetched + largest * grad_ratio + held_head_grads),
+                            always + 2 * prefetched + largest * grad_ratio + held_head_grads
+                            + (head_input if zero3 else 0)),
         # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
         # on gloo, torchtitan's head group's is),
         # the embeddings regathered (zero3, torchtitan) and the gradients reduce-scattered last unsharded
         # (the trace counts the embeddings' new gradient as a temporary until it is accumulated)
         "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (trace_root_grads - trace_head_grads)),
                           max(accumulated, layer_shards + head_shards),
-                          always + (embeddings if zero3 else 0) + tail_grads + reduce_input),
+                          always + (embeddings + head_input if zero3 else 0) + tail_grads + reduce_input),
         "backward start": (batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs, accumulated,
-                           always + regather),
+                           always + regather + prefetched),
         # the last reduce-scatter, every other group reduced and resharded, no activation left
         "final reduce-scatter": (batch + trace.kept_outputs, max(accumulated, layer_shards + head_shards) + new_shard,
                                  last * (1 + to_reduce)),
