@@ -114,13 +114,13 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
     trace_head_grads = g.head_side * per_param * grad_ratio
     trace_root_grads = (g.root + g.embeddings + g.head) * per_param * grad_ratio
-    # torchtitan's head group can hold an input-side parameter (GPT-2's position embeddings): it stays
-    # gathered until that parameter's gradient, at the tail (measured on gloo)
+    # torchtitan's head group can hold an input-side parameter (GPT-2's position embeddings): the group stays
+    # gathered through the layers' backward (measured on gloo)
     head_input = 0 if blocks else (g.head - g.head_side) * per_param
     # blocks: the root's gradients wait for the final callback; torchtitan: the head group's are
-    # reduce-scattered after its backward (an input-side parameter's at the tail), the embeddings' at the tail
+    # reduce-scattered after its backward, the embeddings' after theirs, at the tail
     held_head_grads = trace_head_grads if blocks else 0
-    tail_grads = trace_root_grads if blocks else (root + embeddings + head_input) * grad_ratio
+    tail_grads = trace_root_grads if blocks else (root + embeddings) * grad_ratio
     head_shards = 0 if blocks else gradient_shards * g.head / spec.n_params
     mixed = setup.precision.startswith("mixed")
     reduce_size = 4 if setup.fsdp_reduce_dtype == "fp32" else states.grad_itemsize
@@ -173,7 +173,7 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
         # (the trace counts the embeddings' new gradient as a temporary until it is accumulated)
         "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (trace_root_grads - trace_head_grads)),
                           max(accumulated, layer_shards + head_shards),
-                          always + (embeddings + head_input if zero3 else 0) + tail_grads + reduce_input),
+                          always + (embeddings if zero3 else 0) + tail_grads + reduce_input),
         "backward start": (batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs, accumulated,
                            always + regather + prefetched),
         # the last reduce-scatter, every other group reduced and resharded, no activation left
