@@ -16,7 +16,10 @@ reduce-scattered when its backward ends; the root's wait for the final backward 
   gradients in the reduce dtype: `post_backward` keeps `reduce_scatter_max_input_buffers` = 1 of them
   alive until the next group's reduce-scatter is issued), the largest of them counted;
 - zero3 gathers the root again at the start of backward (its flat all-gather buffer beside the
-  unsharded parameters); the last reduce-scatter holds that group's unsharded gradients beside their
+  unsharded parameters, and beside the last layer's all-gather, which the root's `pre_backward`
+  prefetches while the communication thread can still hold the root's buffer: the high runs);
+  torchtitan's `[norm, output]` group also holds GPT-2's position embeddings, so it stays gathered
+  through the layers' backward and holds no gradient of them at the head; the last reduce-scatter holds that group's unsharded gradients beside their
   copy in the reduce dtype;
 - AdamW's step runs on the shards; its temporaries shrink with them.
 
@@ -200,7 +203,8 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
         "two layers gathered at a time in backward, one layer of unsharded gradients, a group's reduce-scatter " \
-        "input at the tail"
+        "input at the tail; overlapping at backward start: the root's flat all-gather buffer (gloo still holds " \
+        "it), its unsharded parameters and the last layer's all-gather, prefetched"
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
     note = (f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 else ''}; "
             f"wrapping {wrapping}): an upper bound, the most FSDP2's schedule lets be alive at once (a measured "
