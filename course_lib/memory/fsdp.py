@@ -19,13 +19,16 @@ reduce-scattered when its backward ends; the root's wait for the final backward 
   unsharded parameters, and beside the last layer's all-gather, which the root's `pre_backward`
   prefetches while the communication thread can still hold the root's buffer: the high runs);
   torchtitan's `[norm, output]` group also holds GPT-2's position embeddings, so it stays gathered
-  through the layers' backward and holds no gradient of them at the head; the last reduce-scatter holds that group's unsharded gradients beside their
-  copy in the reduce dtype;
+  through the layers' backward and holds no gradient of them at the head; the last reduce-scatter
+  holds that group's unsharded gradients beside their copy in the reduce dtype;
 - AdamW's step runs on the shards; its temporaries shrink with them.
 
 The plan takes, phase by phase, the largest set that this scheduling lets be alive at once: an upper
 bound. A measured peak moves from run to run below it (lesson 6, "the spread"), because the
-collectives are asynchronous and a buffer is freed when its collective has finished.
+collectives are asynchronous and a buffer is freed when its collective has finished. Not counted: gloo's
+worker thread holding the root's flat all-gather buffer on into the output layer's backward, a thread
+delayed on a loaded machine rather than FSDP2's schedule (seen on gloo: gpt2-6L and qwen2-3L, 4 ranks,
++1.9 and +2.0 MiB on some ranks in one of 5 starts).
 
 Mixed precision is `MixedPrecisionPolicy(param_dtype=16-bit)` on an fp32 model: the shards of the
 weights and of the gradients are fp32 (they are the master weights: no 16-bit shard), the gathered
@@ -142,7 +145,8 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # the overlap of the high runs (measured on gloo, the live storages at each rank's peak): FSDP2 frees an
     # all-gather's flat buffer in backward right after its copy-out, but gloo's worker thread drops its own
     # reference later; the root's `pre_backward` (`_fsdp_param_group.py`: unshard, wait_for_unshard,
-    # _backward_prefetch) issues the last layer's all-gather while the root's buffer can still be alive
+    # _backward_prefetch) issues the last layer's all-gather while the root's buffer can still be alive:
+    # "backward start" counts `prefetched` beside `regather`
     layer_shards = gradient_shards * sum(g.layers) / spec.n_params  # the layers' reduced gradient shards
     model_states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
@@ -203,8 +207,8 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
         "two layers gathered at a time in backward, one layer of unsharded gradients, a group's reduce-scatter " \
-        "input at the tail; overlapping at backward start: the root's flat all-gather buffer (gloo still holds " \
-        "it), its unsharded parameters and the last layer's all-gather, prefetched"
+        "input at the tail" + ("; overlapping at backward start: the root's flat all-gather buffer (gloo still " \
+        "holds it), its unsharded parameters and the last layer's all-gather, prefetched" if regather else "")
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
     note = (f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 else ''}; "
             f"wrapping {wrapping}): an upper bound, the most FSDP2's schedule lets be alive at once (a measured "
