@@ -15,6 +15,7 @@ than 2%. Exit status 1 when a row misses it.
 
     .venv/bin/python benchmarks/sharding_accuracy.py            # 4 models x 2 world sizes x 4 configs x 5 runs
     .venv/bin/python benchmarks/sharding_accuracy.py --quick    # one model, 2 ranks, 2 runs
+    .venv/bin/python benchmarks/sharding_accuracy.py --models gpt2-6L --ranks 4 --configs titan
 """
 
 from __future__ import annotations
@@ -82,12 +83,14 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=None, help="starts of each case (default 5; 2 with --quick)")
     parser.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=tuple(CONFIGS),
                         help="FSDP2 configurations (default: all; DDP and zero1 run with 'blocks')")
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS), help="default: all")
+    parser.add_argument("--ranks", nargs="+", type=int, choices=(2, 4), default=(2, 4), help="world sizes (default: both)")
     args = parser.parse_args(argv)
     runs = args.runs or (2 if args.quick else 5)
     if runs < 1:
         parser.error(f"--runs must be a positive integer, got {runs}")
     started = time.monotonic()
-    cases = [("llama-4L", 2)] if args.quick else [(m, n) for m in MODELS for n in (2, 4)]
+    cases = [("llama-4L", 2)] if args.quick else [(m, n) for m in args.models for n in args.ranks]
     rows = [row for name, n in cases for config in args.configs for row in rows_for(name, n, runs, config)]
     print(f"{'model':<9} {'N':>2} {'config':<8} {'stage':<6} {'rank':>4} {'predicted':>10} {'lowest':>10} "
           f"{'highest':>10} {'vs high':>7}  {'states pred/meas':>17}  {'sent':>9}")

@@ -415,3 +415,39 @@ def test_lesson_6_checks_pass_the_answer_and_fail_plausible_wrong_ones(check, ri
     for wrong, message in wrongs:
         with pytest.raises(AssertionError, match=re.escape(message)):
             getattr(checks, check)(wrong)
+
+
+# GPT-2 as benchmarks/sharding_accuracy.py builds it: tied embeddings (the root's), position embeddings
+# (4096 x 96) outside the layers; its batch
+GPT2 = functools.partial(tiny_decoder, "gpt2", n_layers=6, hidden=96, vocab=1024)
+GPT2_BATCH, GPT2_SEQ = 2, 64
+
+
+@pytest.fixture(scope="module")
+def gpt2_steps():
+    model = GPT2()
+    spec = spec_from_model(model, "tiny gpt2", model.config)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.transformer.h[0].parameters())
+    wrappings = {"blocks": FSDPOptions(), "torchtitan": FSDPOptions(wrapping="torchtitan")}
+    return spec, layer_bytes, {w: measure_sharding(GPT2, N, ("zero2", "zero3"), batch=GPT2_BATCH, seq=GPT2_SEQ, fsdp=fsdp,
+                                                   timeout_s=240) for w, fsdp in wrappings.items()}
+
+
+def test_zero3_plans_the_prefetched_layer_beside_the_roots_all_gather(gpt2_steps):
+    """The root's pre_backward prefetches the last layer while gloo can still hold the root's flat
+    all-gather buffer: the high runs hold one layer's all-gather more than the low ones (lesson 6)."""
+    spec, layer_bytes, measured = gpt2_steps
+    predicted = plan(spec, precision="fp32", optimizer="adamw", batch=GPT2_BATCH, seq=GPT2_SEQ, gpus=N, shard="zero3")
+    for step in measured["blocks"]:
+        if step.stage == "zero3":
+            assert predicted.total >= min(step.repeat_peaks) + layer_bytes, step.rank
+
+
+def test_torchtitans_head_group_plans_no_gradient_of_the_position_embeddings_at_the_head(gpt2_steps):
+    """GPT-2's position embeddings sit in torchtitan's [norm, output] group, but their gradient comes at
+    the tail: the head's backward does not hold it (measured on gloo)."""
+    spec, _, measured = gpt2_steps
+    for step in measured["torchtitan"]:
+        predicted = plan(spec, precision="fp32", optimizer="adamw", batch=GPT2_BATCH, seq=GPT2_SEQ, gpus=N,
+                         shard=step.stage, fsdp_wrapping="torchtitan")
+        assert 0.98 * step.peak <= predicted.total <= 1.06 * step.peak, (step.stage, step.rank)

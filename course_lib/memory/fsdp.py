@@ -16,13 +16,19 @@ reduce-scattered when its backward ends; the root's wait for the final backward 
   gradients in the reduce dtype: `post_backward` keeps `reduce_scatter_max_input_buffers` = 1 of them
   alive until the next group's reduce-scatter is issued), the largest of them counted;
 - zero3 gathers the root again at the start of backward (its flat all-gather buffer beside the
-  unsharded parameters); the last reduce-scatter holds that group's unsharded gradients beside their
-  copy in the reduce dtype;
+  unsharded parameters, and beside the last layer's all-gather, which the root's `pre_backward`
+  prefetches while the communication thread can still hold the root's buffer: the high runs);
+  torchtitan's `[norm, output]` group also holds GPT-2's position embeddings, so it stays gathered
+  through the layers' backward and holds no gradient of them at the head; the last reduce-scatter
+  holds that group's unsharded gradients beside their copy in the reduce dtype;
 - AdamW's step runs on the shards; its temporaries shrink with them.
 
 The plan takes, phase by phase, the largest set that this scheduling lets be alive at once: an upper
 bound. A measured peak moves from run to run below it (lesson 6, "the spread"), because the
-collectives are asynchronous and a buffer is freed when its collective has finished.
+collectives are asynchronous and a buffer is freed when its collective has finished. Not counted: gloo's
+worker thread holding the root's flat all-gather buffer on into the output layer's backward, a thread
+delayed on a loaded machine rather than FSDP2's schedule (seen on gloo: gpt2-6L and qwen2-3L, 4 ranks,
++1.9 and +2.0 MiB on some ranks in one of 5 starts).
 
 Mixed precision is `MixedPrecisionPolicy(param_dtype=16-bit)` on an fp32 model: the shards of the
 weights and of the gradients are fp32 (they are the master weights: no 16-bit shard), the gathered
@@ -114,9 +120,11 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
     trace_head_grads = g.head_side * per_param * grad_ratio
     trace_root_grads = (g.root + g.embeddings + g.head) * per_param * grad_ratio
+    # torchtitan's head group can hold an input-side parameter (GPT-2's position embeddings): the group stays
+    # gathered through the layers' backward (measured on gloo)
+    head_input = 0 if blocks else (g.head - g.head_side) * per_param
     # blocks: the root's gradients wait for the final callback; torchtitan: the head group's are
     # reduce-scattered after its backward, the embeddings' after theirs, at the tail
-    head_grads = trace_head_grads if blocks else head * grad_ratio
     held_head_grads = trace_head_grads if blocks else 0
     tail_grads = trace_root_grads if blocks else (root + embeddings) * grad_ratio
     head_shards = 0 if blocks else gradient_shards * g.head / spec.n_params
@@ -134,6 +142,11 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # zero3 gathers the root again at the start of backward: its flat all-gather buffer lives beside the
     # unsharded parameters it is copied into (`foreach_all_gather_copy_out`), the forward's activations kept
     regather = root if zero3 and setup.fsdp_reshard_root else 0
+    # the overlap of the high runs (measured on gloo, the live storages at each rank's peak): FSDP2 frees an
+    # all-gather's flat buffer in backward right after its copy-out, but gloo's worker thread drops its own
+    # reference later; the root's `pre_backward` (`_fsdp_param_group.py`: unshard, wait_for_unshard,
+    # _backward_prefetch) issues the last layer's all-gather while the root's buffer can still be alive:
+    # "backward start" counts `prefetched` beside `regather`
     layer_shards = gradient_shards * sum(g.layers) / spec.n_params  # the layers' reduced gradient shards
     model_states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
@@ -153,13 +166,14 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
         "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + held, accumulated,
-                          always + (head if zero3 else 0) + prefetched + head_grads),
+                          always + (head if zero3 else 0) + prefetched + trace_head_grads),
         # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
         # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
         # layer the reduced shards of all the others
         "layers backward": (batch + layers_peak - (above if first_layer else 0),
                             max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
-                            always + 2 * prefetched + largest * grad_ratio + held_head_grads),
+                            always + 2 * prefetched + largest * grad_ratio + held_head_grads
+                            + (head_input if zero3 else 0)),
         # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
         # on gloo, torchtitan's head group's is),
         # the embeddings regathered (zero3, torchtitan) and the gradients reduce-scattered last unsharded
@@ -168,7 +182,7 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                           max(accumulated, layer_shards + head_shards),
                           always + (embeddings if zero3 else 0) + tail_grads + reduce_input),
         "backward start": (batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs, accumulated,
-                           always + regather),
+                           always + regather + prefetched),
         # the last reduce-scatter, every other group reduced and resharded, no activation left
         "final reduce-scatter": (batch + trace.kept_outputs, max(accumulated, layer_shards + head_shards) + new_shard,
                                  last * (1 + to_reduce)),
@@ -193,7 +207,8 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
         "two layers gathered at a time in backward, one layer of unsharded gradients, a group's reduce-scatter " \
-        "input at the tail"
+        "input at the tail" + ("; overlapping at backward start: the root's flat all-gather buffer (gloo still " \
+        "holds it), its unsharded parameters and the last layer's all-gather, prefetched" if regather else "")
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
     note = (f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 else ''}; "
             f"wrapping {wrapping}): an upper bound, the most FSDP2's schedule lets be alive at once (a measured "
