@@ -193,7 +193,7 @@ class Trace:
     autocast_cached_outside: int = 0
     # what PyTorch's caching allocator reserves beyond the step's peak bytes, the traced step's
     # allocations and frees run twice through course_lib.caching_allocator (memory.reserved);
-    # composed traces extrapolate it (not exact: compare=False)
+    # a composed trace takes the larger of its shallow copies' (memory.compose; not exact: compare=False)
     allocator_slack: int = field(default=0, compare=False)
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
