@@ -2,8 +2,9 @@
 `torch.cuda.max_memory_allocated` and `max_memory_reserved` would show (lesson 1, "the planner";
 lesson 4, "the simulator"). Every number it returns is *simulated*.
 
-The rules, from c10/cuda/CUDACachingAllocator.cpp and c10/core/AllocatorConfig.h (docs/references.md,
-"PyTorch's CUDA caching allocator"), with the default configuration (no PYTORCH_CUDA_ALLOC_CONF):
+The rules, from c10/cuda/CUDACachingAllocator.cpp and c10/core/AllocatorConfig.h
+(docs/references.md#torch-2130-c10cudacudacachingallocatorcpp-block-rounding), with the default
+configuration (no PYTORCH_CUDA_ALLOC_CONF):
 
 - a request is rounded up to a multiple of 512 bytes (kMinBlockSize);
 - requests up to 1 MiB (kSmallSize) use the small pool, larger ones the large pool; each stream has

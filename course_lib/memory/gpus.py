@@ -32,8 +32,8 @@ class GPU:
     note: str = ""
     host_link: str = "PCIe 4.0 x16"
     # what CUDA reports as the card's memory (torch.cuda.get_device_properties(0).total_memory), below
-    # nvidia-smi's total; None where no public figure was found (docs/references.md, "GPU memory as
-    # CUDA reports it"): the fit verdict then uses nvidia-smi's total
+    # nvidia-smi's total; None where no public figure was found, then the fit verdict uses nvidia-smi's
+    # (docs/references.md#torchcudaget_device_properties-outputs-gpu-memory-as-cuda-reports-it)
     cuda_memory_bytes: int | None = None
 
     @property

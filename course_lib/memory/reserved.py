@@ -3,7 +3,8 @@
 reports as the card's memory (lesson 1, "the planner").
 
 The allocated bytes are the plan's (the categories, less the CUDA context). Beyond them the allocator
-reserves (docs/references.md, "PyTorch's CUDA caching allocator" and "cuBLAS workspaces"):
+reserves (docs/references.md#torch-2130-c10cudacudacachingallocatorcpp-block-rounding and
+docs/references.md#pytorch-atensrcatencudacublashandlepoolcpp-cublas-workspaces):
 - the segments' rounding of the model states, replayed tensor by tensor through
   `course_lib.caching_allocator` (weights as loaded, the cuBLAS workspaces, master weights, optimizer
   state as the first step makes it);
@@ -27,7 +28,7 @@ from course_lib.caching_allocator import replay
 from course_lib.measure import format_bytes
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU
 
-# aten/src/ATen/cuda/CublasHandlePool.cpp (docs/references.md, "cuBLAS workspaces"): CUBLAS_WORKSPACE_CONFIG's
+# aten/src/ATen/cuda/CublasHandlePool.cpp (docs/references.md, the anchor above): CUBLAS_WORKSPACE_CONFIG's
 # default ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB), 32 MiB on compute capability 9.0; CUBLASLT_WORKSPACE_SIZE's
 # default 1024 KiB (at most the cuBLAS workspace).
 CUBLAS_WORKSPACE = 2 * 4096 * 1024 + 8 * 16 * 1024
