@@ -94,9 +94,9 @@ def test_the_verdict_is_against_cudas_capacity_not_nvidia_smis():
     assert not memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu=between, suggest=False).fits
     roomy = replace(between, cuda_memory_bytes=used + 32 * MiB)
     assert memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu=roomy, suggest=False).fits
-    assert "as CUDA reports it" in plan.verdict()
+    assert "(CUDA's 14.74 GiB)" in plan.verdict()
     unsourced = memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu="a100-80gb", suggest=False)
-    assert "nvidia-smi's total" in unsourced.verdict()
+    assert "(nvidia-smi's 80.00 GiB)" in unsourced.verdict()
 
 
 def test_a_deep_models_composed_slack_is_near_its_full_trace():

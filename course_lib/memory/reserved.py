@@ -139,9 +139,9 @@ class Reserved:
 
     def verdict(self, gpu: GPU) -> str:
         """Fits or not against CUDA's capacity, and by how much."""
-        seen = "as CUDA reports it" if self.capacity_sourced else "nvidia-smi's total"
+        seen = "CUDA's" if self.capacity_sourced else "nvidia-smi's"  # what CUDA reports, or nvidia-smi's total
         margin = self.capacity - self.nvidia_smi
-        head = f"{gpu.name} ({format_bytes(self.capacity)}, {seen})"
+        head = f"{gpu.name} ({seen} {format_bytes(self.capacity)})"
         return (f"fits on {head}: {format_bytes(margin)} to spare" if margin >= 0
                 else f"does not fit on {head}: {format_bytes(-margin)} over")
 
