@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -106,8 +106,8 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
         return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "predicted not to fit",
                    predicted_reserved=predicted.reserved)
     try:
-        return replace(_measure(config, recipe, device, policy, timed_steps, label, predicted_peak, weights),
-                       predicted_reserved=predicted.reserved)
+        return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak, weights,
+                        predicted_reserved=predicted.reserved)
     except torch.cuda.OutOfMemoryError:
         pass  # leave the except block first: its traceback holds the model and the optimizer
     release_cuda_memory()
@@ -138,7 +138,7 @@ def recipe_step(model, recipe: Recipe, policy: DtypePolicy, ids: torch.Tensor):
 
 
 def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, timed_steps: int, label: str,
-             predicted_peak: int, weights: str | Path | None = None) -> Row:
+             predicted_peak: int, weights: str | Path | None = None, predicted_reserved: int | None = None) -> Row:
     model = build_model(config, recipe, device, policy, weights)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (recipe.batch, recipe.seq), generator=generator).to(device)
@@ -162,7 +162,7 @@ def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, 
     if device.type == "cuda":
         release_cuda_memory()
     return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times) if times else None, trainable,
-               measured_reserved=reserved)
+               measured_reserved=reserved, predicted_reserved=predicted_reserved)
 
 
 def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
