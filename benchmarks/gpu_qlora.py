@@ -61,7 +61,8 @@ def smoke(out: dict, save) -> None:
     t = time.perf_counter()
     row = qlora.measure_recipe(qlora.tiny_llama_config(), qlora.Recipe(seq=32, accum=1), "cuda")
     out["tiny_qlora"] = {"status": row.status, "measured_peak": row.measured_peak, "predicted_peak": row.predicted_peak,
-                         "error": row.error, "seconds": time.perf_counter() - t}
+                         "error": row.error, "measured_reserved": row.measured_reserved,
+                         "predicted_reserved": row.predicted_reserved, "seconds": time.perf_counter() - t}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ablation{' as a T4' if args.as_t4 else ''}, one process per row ({time.perf_counter() - t:.0f} s; "
               "measured peaks, planner predictions, error = (predicted - measured) / measured):")
         print(qlora.format_ablation(rows))
+        print("max_memory_reserved, measured (the row's process) and predicted (the planner's reserved):")
+        for r in rows:
+            shown = [format_bytes(v) if v is not None else "-" for v in (r.measured_reserved, r.predicted_reserved)]
+            print(f"  {r.label:<40} {shown[0]:>12} {shown[1]:>12}")
         results["ablation"] = [{**asdict(r), "recipe": r.recipe.describe(), "error": r.error} for r in rows]
         save()
     if "precision" in parts:

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).parents[1] / "course_lib"
 FLOORS = [
     ("infrastructure", ["course_lib", "course_lib.errors", "course_lib.device", "course_lib.measure",
                         "course_lib.models", "course_lib.model_config", "course_lib.cache", "course_lib.isolate",
-                        "course_lib.allocator_events",
+                        "course_lib.allocator_events", "course_lib.caching_allocator",
                         "course_lib.layers", "course_lib.course"]),
     ("lesson topics", ["course_lib.accumulation", "course_lib.checkpointing", "course_lib.paging",
                        "course_lib.sharding", "course_lib.toolbox"]),

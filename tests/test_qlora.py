@@ -298,6 +298,22 @@ def test_the_skip_gate_counts_the_cuda_context_once(config, monkeypatch):
     assert skipped.status == "predicted not to fit"
 
 
+def test_a_cuda_row_carries_the_planners_reserved_prediction_beside_the_measured_one(config, monkeypatch):
+    """The GPU check records max_memory_reserved beside the planner's reserved figure for each row."""
+    from course_lib.memory import GPU
+
+    seen = {}
+    monkeypatch.setattr(qlora.measuring, "_measure", lambda *args, **kw: seen.update(kw) or "measured")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**40, 2**40))
+    big = GPU("big", 2**40, (7, 5))
+    assert qlora.measure_recipe(config, qlora.Recipe(), "cuda", gpu=big, policy=T4) == "measured"
+    predicted = qlora.predict(config, qlora.Recipe(), T4, gpu=big)
+    assert seen["predicted_reserved"] == predicted.reserved >= predicted.total - predicted.bytes["overhead"]
+    monkeypatch.undo()
+    on_cpu = qlora.measure_recipe(config, qlora.Recipe(), "cpu", timed_steps=0)
+    assert on_cpu.predicted_reserved is None and on_cpu.measured_reserved is None and on_cpu.measured_peak > 0
+
+
 def test_expandable_segments_children_get_the_setting_under_both_names(monkeypatch):
     envs = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

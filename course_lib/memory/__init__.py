@@ -20,7 +20,8 @@ real training steps measured by `course_lib.measure`.
 The package, a module per job: `setup` (what is asked), `states` (model states, exact), `trace` (the
 meta-device step), `autocast` (torch.autocast on the meta device, for the amp precisions), `compose` (the fast path; `course_lib.cache` keeps traces on disk), `activations`
 (the step over the model states), `sharded` (one rank's share, lesson 6), `fsdp` (FSDP2's phases, lesson 6), `toolbox` (lesson 7's
-tricks), `gpus` (the catalog and the fit verdict), `prediction` (one setup's plan and its notes),
+tricks), `gpus` (the catalog and the fit verdict), `reserved` (the caching allocator's reserve, the
+cuBLAS workspaces and the OOM line on a GPU), `prediction` (one setup's plan and its notes),
 `fit` (what makes it fit), `planner` (`plan` and `plan_from_cli`, the entry points).
 """
 
@@ -29,6 +30,7 @@ from course_lib.memory.fit import what_makes_it_fit
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, GPUS, default_precision, get_gpu
 from course_lib.memory.planner import plan, plan_from_cli
 from course_lib.memory.prediction import Plan, Trick
+from course_lib.memory.reserved import Reserved, cublas_workspaces
 from course_lib.memory.sharded import offload_prediction
 from course_lib.memory.setup import (ATTENTIONS, CATEGORIES, DEFAULT_LORA_RANK, LOOPS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDS,
                                      PlanError, Setup)
@@ -38,6 +40,7 @@ from course_lib.memory.trace import Trace, trace_step
 
 __all__ = ["ATTENTIONS", "BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "BNB_QMAPS_BYTES", "CATEGORIES", "CUDA_CONTEXT_BYTES",
            "DEFAULT_LORA_RANK", "GPU", "GPUS", "LOOPS", "ModelStates", "NF4_BLOCK", "NF4_DQ_BLOCK", "OPTIMIZERS",
-           "PRECISIONS", "Plan", "PlanError", "QUANTS", "SHARDS", "Setup", "Trace", "Trick", "default_precision", "get_gpu",
+           "PRECISIONS", "Plan", "PlanError", "QUANTS", "Reserved", "SHARDS", "Setup", "Trace", "Trick", "cublas_workspaces", "default_precision",
+           "get_gpu",
            "korthikanti_bytes", "model_states", "nf4_bytes", "offload_prediction", "optimizer_state_bytes", "plan", "plan_from_cli",
            "trace_step", "what_makes_it_fit"]

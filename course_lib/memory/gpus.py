@@ -23,14 +23,18 @@ HOST_LINKS = {"PCIe 3.0 x16": 15.75e9, "PCIe 4.0 x16": 31.5e9, "PCIe 5.0 x16": 6
 
 @dataclass(frozen=True)
 class GPU:
-    """A GPU as a training process sees it: the memory nvidia-smi reports as total, and its link to
-    host memory (lesson 1; lesson 7's activation offloading)."""
+    """A GPU as a training process sees it: the memory nvidia-smi reports as total, what CUDA reports
+    (the OOM line), and its link to host memory (lesson 1; lesson 7's activation offloading)."""
 
     name: str
     memory_bytes: int
     compute_capability: tuple[int, int]
     note: str = ""
     host_link: str = "PCIe 4.0 x16"
+    # what CUDA reports as the card's memory (torch.cuda.get_device_properties(0).total_memory), below
+    # nvidia-smi's total; None where no public figure was found, then the fit verdict uses nvidia-smi's
+    # (docs/references.md#torchcudaget_device_properties-outputs-gpu-memory-as-cuda-reports-it)
+    cuda_memory_bytes: int | None = None
 
     @property
     def host_link_bytes_per_s(self) -> float:
@@ -44,15 +48,16 @@ class GPU:
 
 
 GPUS = {
-    "t4": GPU("T4", 15360 * MiB, (7, 5), "16 GB card, 15360 MiB visible with ECC on (Colab)", "PCIe 3.0 x16"),
+    "t4": GPU("T4", 15360 * MiB, (7, 5), "16 GB card, 15360 MiB visible with ECC on (Colab)", "PCIe 3.0 x16",
+              cuda_memory_bytes=15095 * MiB),
     "l4": GPU("L4", 23034 * MiB, (8, 9), "24 GB card"),
     "a10g": GPU("A10G", 23028 * MiB, (8, 6), "24 GB card (AWS g5)"),
     "a100-40gb": GPU("A100 40GB", 40960 * MiB, (8, 0)),
     "a100-80gb": GPU("A100 80GB", 81920 * MiB, (8, 0)),
-    "h100-80gb": GPU("H100 80GB", 81559 * MiB, (9, 0), host_link="PCIe 5.0 x16"),
+    "h100-80gb": GPU("H100 80GB", 81559 * MiB, (9, 0), host_link="PCIe 5.0 x16", cuda_memory_bytes=81082 * MiB),
     "h200": GPU("H200", 143771 * MiB, (9, 0), "141 GB card, 143771 MiB as nvidia-smi shows it", "PCIe 5.0 x16"),
     "rtx3090": GPU("RTX 3090", 24576 * MiB, (8, 6)),
-    "rtx4090": GPU("RTX 4090", 24564 * MiB, (8, 9)),
+    "rtx4090": GPU("RTX 4090", 24564 * MiB, (8, 9), cuda_memory_bytes=24563 * MiB),
 }
 _GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
                 "3090": "rtx3090", "4090": "rtx4090", "rtx-3090": "rtx3090", "rtx-4090": "rtx4090",

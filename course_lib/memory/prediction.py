@@ -11,6 +11,7 @@ from course_lib.course import wrapped
 from course_lib.measure import GiB, format_bytes
 from course_lib.memory.activations import step_extra
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, fit_verdict
+from course_lib.memory.reserved import Reserved, reserved_prediction
 from course_lib.memory.setup import CATEGORIES, PlanError, Setup
 from course_lib.memory.sharded import sharded_values
 from course_lib.memory.states import model_states, target_match
@@ -51,6 +52,12 @@ class Plan:
     tricks: list[Trick] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     closing: str = ""  # when no trick makes it fit: where it would fit (memory.elsewhere)
+    oom_line: Reserved | None = None  # on a GPU: allocated, reserved, nvidia-smi against CUDA's capacity
+
+    @property
+    def reserved(self) -> int | None:
+        """Predicted `torch.cuda.max_memory_reserved` on the GPU target (None without one), bytes."""
+        return None if self.oom_line is None else self.oom_line.reserved
 
     @property
     def total(self) -> int:
@@ -58,11 +65,13 @@ class Plan:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.gpu is None else self.total <= self.gpu.memory_bytes
+        if self.gpu is None:
+            return None
+        return self.oom_line.fits if self.oom_line is not None else self.total <= self.gpu.memory_bytes
 
     def verdict(self) -> str:
         """One sentence: fits or not, and by how much."""
-        return fit_verdict(self.total, self.gpu)
+        return self.oom_line.verdict(self.gpu) if self.oom_line is not None else fit_verdict(self.total, self.gpu)
 
     def to_dict(self) -> dict:
         """Plain JSON-able numbers: bytes by category (integers), the setup, the verdict, the tricks."""
@@ -75,6 +84,7 @@ class Plan:
             "what_makes_it_fit": [{"trick": t.name, "saves_bytes": t.saves, "total_after": t.total_after,
                                    "fits_after": t.fits_after} for t in self.tricks],
             "closing": self.closing, "notes": list(self.notes),
+            "reserved": None if self.oom_line is None else self.oom_line.to_dict(),
         }
 
     def rows(self) -> list[tuple[str, int]]:
@@ -104,6 +114,8 @@ class Plan:
                          "counts them (10^9 bytes)" + (f"; FSDP2's zero2 stand-in shards the weights too: "
                                                        f"{self.detail['engine_model_states'] / 1e9:.3f} GB"
                                                        if self.setup.shard == "zero2" and self.activations_known else ""))
+        if self.oom_line is not None:
+            lines.append(self.oom_line.line())
         lines.append(self.verdict())
         if self.tricks:
             lines.append("What makes it fit (exact tricks tried before lossy ones, none the final setup can do without):\n"
@@ -207,7 +219,9 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
                                                            detail.get("optimizer_step_temporaries", 0), cuda)
         detail.update(shard_detail)
         notes += shard_notes
-    return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes)
+    oom_line = reserved_prediction(spec, setup, states, values, trace, card) if cuda else None
+    return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes,
+                oom_line=oom_line)
 
 
 SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop", "chunked_loss", "offload_activations",

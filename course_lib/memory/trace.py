@@ -15,6 +15,7 @@ from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
 from course_lib.memory.autocast import MetaAutocast
 from course_lib.memory.compose import composed_trace
+from course_lib.memory.reserved import AllocationStream, stream_slack
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.states import model_states
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
@@ -22,7 +23,7 @@ from course_lib.models import ModelSpec, build_model, supported_attention, trans
 from course_lib.toolbox.activation_offload import HostOffload
 
 
-class _MetaTracer(LiveStorageTracker):
+class _MetaTracer(AllocationStream, LiveStorageTracker):
     """Lesson 0's live-storage tracker on any device, the meta device included, with the peaks the
     planner needs.
 
@@ -190,6 +191,10 @@ class Trace:
     # layer (what checkpointing that layer does not free before backward) and outside them
     autocast_cached: tuple[int, ...] = ()
     autocast_cached_outside: int = 0
+    # what PyTorch's caching allocator reserves beyond the step's peak bytes, the traced step's
+    # allocations and frees run twice through course_lib.caching_allocator (memory.reserved);
+    # a composed trace takes the larger of its shallow copies' (memory.compose; not exact: compare=False)
+    allocator_slack: int = field(default=0, compare=False)
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
@@ -383,7 +388,8 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, backward_climbs=climbs,
         backward_climbs_with_grads=climbs_with_grads, layer_grads=layer_grads, head_grads=head_grads,
         offloaded=0 if offload is None else offload.to_host, autocast_cached=tuple(cached[:-1]),
-        autocast_cached_outside=cached[-1], by_position=dict(tracer.position_peaks))
+        autocast_cached_outside=cached[-1], allocator_slack=stream_slack(tracer.stream, tracer.peak),
+        by_position=dict(tracer.position_peaks))
 
 
 def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
@@ -405,3 +411,4 @@ def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], o
         with_grads.append(peak - counted - (grads_at[i] or 0))
     made = [(grads_at[i - 1] if i else grads_at[n]) - (grads_at[i] or 0) for i in range(n)]
     return tuple(climbs), tuple(with_grads), tuple(made), grads_at[n - 1] or 0
+

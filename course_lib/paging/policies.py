@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from course_lib.caching_allocator import MIN_BLOCK
+from course_lib.caching_allocator import round_size as block_bytes, segment_size as segment_bytes
 from course_lib.measure import GiB, KiB, MiB
 
 GB = 10**9
@@ -28,9 +30,7 @@ PCIE3_X16 = 15.75e9               # bytes/s each way, theoretical (the T4's link
 T4_FP32_FLOPS = 8.1e12            # the T4's fp32 peak (no TF32); its fp16 tensor cores reach 65e12
 T4_MEMORY_BANDWIDTH = 320e9       # GDDR6
 
-ALLOCATOR_ROUND = 512               # torch's caching allocator: kMinBlockSize
-ALLOCATOR_SMALL = 1 * MiB           # kSmallSize: requests up to this share 2 MiB segments
-ALLOCATOR_MIN_LARGE = 10 * MiB      # kMinLargeAlloc: smaller large requests get a 20 MiB segment
+ALLOCATOR_ROUND = MIN_BLOCK         # torch's caching allocator: kMinBlockSize (course_lib.caching_allocator)
 
 
 class PagingError(ValueError):
@@ -164,20 +164,6 @@ class Policy:
     def seed(cls) -> Policy:
         """The seed's model: 4 KB pages moved one by one, an LRU keeps hot pages resident."""
         return cls(granularity=4 * KiB, eviction_unit=4 * KiB, eviction="lru", density_prefetch=False)
-
-
-def block_bytes(nbytes: int) -> int:
-    """The bytes PyTorch's caching allocator hands out for a request of `nbytes` (lesson 4)."""
-    return max(ALLOCATOR_ROUND, -(-int(nbytes) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND)
-
-
-def segment_bytes(block: int) -> int:
-    """The bytes a new `cudaMalloc` segment takes for a block the cache cannot serve (lesson 4)."""
-    if block <= ALLOCATOR_SMALL:
-        return 2 * MiB
-    if block < ALLOCATOR_MIN_LARGE:
-        return 20 * MiB
-    return -(-block // (2 * MiB)) * 2 * MiB
 
 
 def sweep_faults(leaves: int, missing: int, threshold: float = 0.51) -> int:

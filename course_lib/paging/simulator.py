@@ -5,7 +5,9 @@ What it models, and where each rule comes from (docs/references.md, "Lessons 4 a
 - Ordinary allocations (weights, gradients, activations, unpaged optimizer state and the optimizer's
   temporaries) go through PyTorch's caching allocator: a request is rounded up to 512 bytes, and a
   new segment is 2 MiB for requests up to 1 MiB, 20 MiB up to 10 MiB, else the request rounded up to
-  2 MiB (torch 2.13 c10/cuda/CUDACachingAllocator.cpp). They are never evicted: when they do not
+  2 MiB (torch 2.13 c10/cuda/CUDACachingAllocator.cpp; the rules of `course_lib.caching_allocator`,
+  whose best fit, splits and merges the simulator leaves out: any cached byte serves any request). They
+  are never evicted: when they do not
   fit, the step runs out of memory. Freed blocks stay *reserved* until `empty_cache` (or until a
   `cudaMalloc` fails, when PyTorch releases its free cached blocks and retries).
 - Paged optimizer state is managed memory (`cudaMallocManaged(..., cudaMemAttachHost)`). A first

@@ -61,6 +61,9 @@ class Row:
     step_ms: float | None
     trainable: int
     status: str = "measured"  # or "predicted not to fit", "out of memory"
+    # on CUDA: torch.cuda.max_memory_reserved of the row's process, and the planner's reserved prediction
+    measured_reserved: int | None = None
+    predicted_reserved: int | None = None
 
     @property
     def error(self) -> float | None:
@@ -100,13 +103,16 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     # the plan without its CUDA context, which would otherwise count twice
     if gpu is not None and (predicted.total > 0.95 * gpu.memory_bytes
                             or predicted_peak > 0.95 * torch.cuda.mem_get_info(device)[0]):
-        return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "predicted not to fit")
+        return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "predicted not to fit",
+                   predicted_reserved=predicted.reserved)
     try:
-        return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak, weights)
+        return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak, weights,
+                        predicted_reserved=predicted.reserved)
     except torch.cuda.OutOfMemoryError:
         pass  # leave the except block first: its traceback holds the model and the optimizer
     release_cuda_memory()
-    return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "out of memory")
+    return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "out of memory",
+               predicted_reserved=predicted.reserved)
 
 
 def recipe_step(model, recipe: Recipe, policy: DtypePolicy, ids: torch.Tensor):
@@ -132,7 +138,7 @@ def recipe_step(model, recipe: Recipe, policy: DtypePolicy, ids: torch.Tensor):
 
 
 def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, timed_steps: int, label: str,
-             predicted_peak: int, weights: str | Path | None = None) -> Row:
+             predicted_peak: int, weights: str | Path | None = None, predicted_reserved: int | None = None) -> Row:
     model = build_model(config, recipe, device, policy, weights)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (recipe.batch, recipe.seq), generator=generator).to(device)
@@ -151,10 +157,12 @@ def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, 
             times.append(time.perf_counter() - start)
         measured = _peak_of_step(optimizer_step, model, optimizer, ids, device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None  # the process's, so far
     del model, optimizer
     if device.type == "cuda":
         release_cuda_memory()
-    return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times) if times else None, trainable)
+    return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times) if times else None, trainable,
+               measured_reserved=reserved, predicted_reserved=predicted_reserved)
 
 
 def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
@@ -167,4 +175,4 @@ def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:
 def _catalog_gpu(device: torch.device):
 
     props = torch.cuda.get_device_properties(device)
-    return GPU(props.name, props.total_memory, (props.major, props.minor))
+    return GPU(props.name, props.total_memory, (props.major, props.minor), cuda_memory_bytes=props.total_memory)

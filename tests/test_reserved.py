@@ -1,0 +1,121 @@
+"""The planner's reserved memory and OOM line (course_lib.memory.reserved): the traced step's allocation
+stream, the reserve beyond the allocated bytes, the cuBLAS workspaces, the verdict against what CUDA
+reports as the card's memory, and what `course-lib plan` prints and `--json` carries."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from course_lib import cli, memory
+from course_lib.caching_allocator import MiB, replay
+from course_lib.measure import LiveStorageTracker
+from course_lib.memory.compose import composed_trace
+from course_lib.memory.reserved import (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, AllocationStream,
+                                        cublas_workspaces, stream_slack)
+from course_lib.memory.trace import _trace
+from course_lib.models import model_spec
+
+
+class _Recorder(AllocationStream, LiveStorageTracker):
+    pass
+
+
+def test_the_stream_records_every_allocation_and_its_free():
+    with _Recorder() as tracer:
+        a = torch.empty(3 * MiB, dtype=torch.uint8)
+        b = torch.empty(5 * MiB, dtype=torch.uint8)
+        del a
+        c = torch.empty(1000, dtype=torch.uint8)
+        del b
+    assert tracer.stream == [3 * MiB, 5 * MiB, ~0, 1000, ~1]
+    del c
+
+
+def test_a_stream_replayed_peaks_at_the_trackers_peak_rounded():
+    spec = model_spec("gpt2")
+    setup = memory.Setup(precision="amp-fp16", seq=128).validate()
+    recorded = {}
+    original = stream_slack
+
+    def spy(stream, peak):
+        recorded["stream"], recorded["peak"] = stream, peak
+        return original(stream, peak)
+
+    import course_lib.memory.trace as trace_module
+    trace_module.stream_slack, saved = spy, trace_module.stream_slack
+    try:
+        trace = _trace(spec, setup, "cuda")
+    finally:
+        trace_module.stream_slack = saved
+    stats = replay(recorded["stream"])
+    frees = sum(1 for entry in recorded["stream"] if entry < 0)
+    assert frees > 100  # the step frees what it made: a stream without frees would climb far above the peak
+    assert recorded["peak"] <= stats.peak_allocated <= recorded["peak"] * 1.02 + MiB
+    assert trace.allocator_slack == original(recorded["stream"], recorded["peak"]) >= 0
+
+
+def test_the_workspaces_are_larger_on_compute_capability_9_0():
+    assert CUBLAS_WORKSPACE == 8 * MiB + 128 * 1024 and CUBLAS_WORKSPACE_SM90 == 32 * MiB
+    t4, h100 = memory.get_gpu("t4"), memory.get_gpu("h100")
+    assert sum(cublas_workspaces(h100)) > sum(cublas_workspaces(t4)) > 2 * CUBLAS_WORKSPACE
+
+
+@pytest.mark.parametrize("name, options", [
+    ("gpt2", dict(precision="amp-fp16")),
+    ("llama-3.2-1b", dict(precision="bf16", lora_rank=16, checkpointing="every-layer")),
+    ("llama-3.2-1b", dict(precision="mixed-bf16", optimizer="paged_adamw8bit", batch=2, seq=256)),
+])
+def test_reserved_covers_allocated_and_the_workspaces(name, options):
+    plan = memory.plan(name, memory.Setup(**options), gpu="h100", suggest=False)
+    line = plan.oom_line
+    allocated = plan.total - plan.bytes["overhead"]
+    assert line.allocated == allocated
+    managed = plan.bytes["optimizer_state"] if options.get("optimizer", "").startswith("paged") else 0
+    assert plan.reserved >= allocated - managed + line.workspaces
+    assert line.nvidia_smi == plan.reserved + plan.bytes["overhead"] + managed
+    assert plan.to_dict()["reserved"]["reserved_bytes"] == plan.reserved
+
+
+def test_without_a_gpu_there_is_no_reserved_prediction():
+    plan = memory.plan("gpt2", memory.Setup(), suggest=False)
+    assert plan.reserved is None and plan.to_dict()["reserved"] is None and "reserved" not in str(plan)
+
+
+def test_the_verdict_is_against_cudas_capacity_not_nvidia_smis():
+    t4 = memory.get_gpu("t4")
+    assert t4.cuda_memory_bytes < t4.memory_bytes
+    plan = memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu="t4", suggest=False)
+    used = plan.oom_line.nvidia_smi
+    between = replace(t4, name="between", memory_bytes=used + 64 * MiB, cuda_memory_bytes=used - 64 * MiB)
+    assert not memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu=between, suggest=False).fits
+    roomy = replace(between, cuda_memory_bytes=used + 32 * MiB)
+    assert memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu=roomy, suggest=False).fits
+    assert "(CUDA's 14.74 GiB)" in plan.verdict()
+    unsourced = memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu="a100-80gb", suggest=False)
+    assert "(nvidia-smi's 80.00 GiB)" in unsourced.verdict()
+
+
+def test_a_deep_models_composed_slack_is_near_its_full_trace():
+    spec = model_spec("qwen2.5-0.5b")
+    setup = memory.Setup(precision="bf16", lora_rank=8, seq=128).validate()
+    full = _trace(spec, setup, "cuda")
+    composed = composed_trace(spec, setup, "cuda", _trace)
+    assert composed is not None
+    assert abs(composed.allocator_slack - full.allocator_slack) <= 0.15 * full.allocator_slack + 40 * MiB
+
+
+def test_the_cli_prints_allocated_and_reserved_with_a_gpu_and_json_carries_both(capsys):
+    assert cli.main(["plan", "gpt2", "--gpu", "t4", "--precision", "amp-fp16"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if "reserved" in line)
+    assert "allocated" in line and "nvidia-smi" in line and len(line) <= 110
+    assert cli.main(["plan", "gpt2", "--gpu", "t4", "--precision", "amp-fp16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["reserved"]["reserved_bytes"] >= data["reserved"]["allocated_bytes"] > 0
+    assert data["reserved"]["cuda_capacity_bytes"] == memory.get_gpu("t4").cuda_memory_bytes
+    assert cli.main(["plan", "gpt2", "--precision", "amp-fp16"]) == 0
+    assert "reserved" not in capsys.readouterr().out
