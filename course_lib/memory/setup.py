@@ -159,9 +159,6 @@ def _validate_sharding(setup: Setup) -> None:
     if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) != ("blocks", None, True) \
             and setup.shard not in ("zero2", "zero3"):
         raise PlanError(f"the --fsdp-* options configure FSDP2: they need --shard zero2 or zero3, not {setup.shard}")
-    if setup.shard in ("zero2", "zero3") and setup.quant != "none":
-        raise PlanError(f"--shard {setup.shard} with --quant {setup.quant}: FSDP of a 4-bit base is not modelled; "
-                        "plan QLoRA on one GPU (no --gpus) or shard a 16-bit model")
 
 
 def _validate_toolbox(setup: Setup) -> None:
