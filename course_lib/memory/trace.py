@@ -15,6 +15,7 @@ from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
 from course_lib.memory.autocast import MetaAutocast
 from course_lib.memory.compose import composed_trace
+from course_lib.memory.moe import grouped_mm_on_meta, refuse_lora_on_experts
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.states import model_states
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
@@ -83,6 +84,8 @@ def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
     """
     original = torch.nn.functional.scaled_dot_product_attention
     original_dropout = torch.nn.functional.dropout
+    original_grouped_mm = torch.nn.functional.grouped_mm
+    grouped_mm = grouped_mm_on_meta(original_grouped_mm)  # MoE experts in fp32 (prepare_kbit) or fp16
 
     def dropout(input, p=0.5, training=True, inplace=False):
         if target == "cuda" and input.device.type == "meta" and training and 0.0 < p < 1.0 and not inplace:
@@ -110,6 +113,7 @@ def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
     find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
     torch.nn.functional.scaled_dot_product_attention = sdpa
     torch.nn.functional.dropout = dropout
+    torch.nn.functional.grouped_mm = grouped_mm
     if find_packed is not None:
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
@@ -117,6 +121,7 @@ def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
         torch.nn.functional.dropout = original_dropout
+        torch.nn.functional.grouped_mm = original_grouped_mm
         if find_packed is not None:
             masking_utils.find_packed_sequence_indices = find_packed
 
@@ -248,6 +253,7 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
             model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
                                                      target_modules=targets, lora_dropout=setup.lora_dropout,
                                                      init_lora_weights=False))  # values: none on meta
+        refuse_lora_on_experts(model, spec, setup)
     return model
 
 
