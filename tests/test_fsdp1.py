@@ -76,6 +76,7 @@ def _fsdp1_rank(rank: int, world_size: int) -> list[int]:
             with tracker:
                 engine = FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True,
                                                   sharding_strategy=ShardingStrategy.FULL_SHARD,
+                                                  backward_prefetch=None,  # accelerate's default: NO_PREFETCH
                                                   device_id=torch.device("cpu"))  # else it asks for an accelerator
                 optimizer = torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad], lr=1e-3)
                 del model
@@ -102,18 +103,23 @@ def spec():
     return spec_from_model(model, "tiny-llama", model.config)
 
 
-def test_fsdp1s_full_fine_tune_peaks_where_the_zero3_plan_says(measured, spec):
-    predicted = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard="zero3")
-    for peak in measured["full", "layers"]:
-        assert predicted.total == pytest.approx(peak, rel=0.05) and predicted.total >= 0.98 * peak
+def _plan(spec, version: int, lora_rank: int = 0):
+    return plan(spec, precision="fp32", optimizer="adamw", lora_rank=lora_rank, batch=BATCH, seq=SEQ, gpus=N,
+                shard="zero3", fsdp_version=version)
+
+
+def test_fsdp1s_full_fine_tune_and_the_trainers_lora_are_planned_within_5_percent(measured, spec):
+    for (trained, wrapping), rank in (("full", "layers"), 0), (("lora", "peft"), RANK):
+        predicted = _plan(spec, 1, rank)
+        for peak in measured[trained, wrapping]:
+            assert predicted.total == pytest.approx(peak, rel=0.05), (trained, predicted.total, peak)
+            assert predicted.total >= 0.98 * peak  # an upper bound
+            # FSDP2's plan holds one more layer in backward (its prefetch): FSDP1 without prefetch is below it
+            assert peak < 0.95 * _plan(spec, 2, rank).total
 
 
 def test_frozen_parameters_in_a_trained_flat_parameter_cost_gradient_memory(measured, spec):
-    """The Trainer's wrap (each adapter a unit) peaks below the zero3 plan, an upper bound for it; a unit
-    that mixes the frozen base with its adapters makes a flat gradient of the whole unit: it peaks higher."""
-    predicted = plan(spec, precision="fp32", optimizer="adamw", lora_rank=RANK, batch=BATCH, seq=SEQ, gpus=N,
-                     shard="zero3")
+    """A unit that mixes the frozen base with its adapters (use_orig_params=True, no peft wrap) makes a flat
+    gradient of the whole unit: it peaks above the Trainer's wrap by more than the layers' gradient shards."""
     for trainer, mixed in zip(measured["lora", "peft"], measured["lora", "layers"]):
-        assert trainer <= predicted.total < mixed
-        assert mixed - trainer > 4 * max(layer_and_root_numels(spec)[0]) / N  # at least the layers' flat gradient shards
-
+        assert mixed - trainer > 4 * max(layer_and_root_numels(spec)[0]) / N

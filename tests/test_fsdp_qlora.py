@@ -134,6 +134,10 @@ def test_a_70b_fsdp_qlora_plan_shards_the_packed_weights_and_gathers_one_4bit_la
         # the root gathered throughout, the running layer and the next one prefetched, the running layer's
         # adapter gradients unsharded
         assert sharded.bytes["sharding_buffers"] == round(root + 2 * layer + layer_grads)
+        # accelerate's FSDP1 prefetches nothing in backward: one 4-bit layer gathered at a time
+        fsdp1 = plan(spec, gpus=n, shard="zero3", fsdp_version=1, **options)
+        assert fsdp1.detail["peak_phase"] == "layers backward"
+        assert fsdp1.bytes["sharding_buffers"] == round(root + layer + layer_grads)
         assert layer < 0.3 * 2 * sum(info.numel for info in spec.params if info.layer == 0)  # a 4-bit layer
     assert plan(spec, gpus=2, shard="zero3", **options).total < single.total
 
@@ -141,4 +145,16 @@ def test_a_70b_fsdp_qlora_plan_shards_the_packed_weights_and_gathers_one_4bit_la
 def test_fsdp_qlora_is_refused_with_a_master_copy_precision_in_one_line():
     with pytest.raises(PlanError, match="no fp32 master weights") as error:
         plan("llama-3.2-1b", precision="mixed-bf16", lora_rank=8, quant="nf4", gpus=2, shard="zero3")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(fsdp_version=1, fsdp_wrapping="torchtitan"), "configure FSDP2"),
+    (dict(fsdp_version=1, precision="mixed-bf16", lora_rank=0, quant="none"), "MixedPrecision"),
+    (dict(fsdp_version=3), "fsdp_version must be 1"),
+    (dict(fsdp_version=1, shard="zero1"), "need --shard zero2 or zero3"),
+])
+def test_fsdp1s_options_are_checked_in_one_line(options, message):
+    with pytest.raises(PlanError, match=message) as error:
+        plan("llama-3.2-1b", **{**dict(QLORA, gpus=2, shard="zero3"), **options})
     assert "\n" not in str(error.value)

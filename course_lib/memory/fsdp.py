@@ -24,6 +24,19 @@ The plan takes, phase by phase, the largest set that this scheduling lets be ali
 bound. A measured peak moves from run to run below it (lesson 6, "the spread"), because the
 collectives are asynchronous and a buffer is freed when its collective has finished.
 
+FSDP + QLoRA (lesson 6): the packed 4-bit weights, stored in `bnb_4bit_quant_storage` elements (bf16),
+are sharded and gathered like any 16-bit tensor; the quant_state is module state, whole on every rank;
+the frozen base makes no gradient, so only the adapters' gradients are unsharded and reduce-scattered
+(`unit_sizes` counts each group in bytes). `tests/test_fsdp_qlora.py` measures it on gloo.
+
+`setup.fsdp_version == 1`: accelerate's FSDP1 (FullyShardedDataParallel; the Trainer's FSDP recipes). Its
+flat parameter is gathered into itself (no separate all-gather buffer), the root stays gathered from
+forward to backward (FSDP1 never frees the root's parameters after forward), and accelerate's default
+backward_prefetch (NO_PREFETCH) gathers one layer at a time in backward. The Trainer wraps LoRA's
+adapters as units of their own (transformers/distributed/fsdp.py `update_fsdp_plugin_peft`, peft's
+`fsdp_auto_wrap_policy`), so the frozen layers' flat parameters make no gradient, as under FSDP2.
+`tests/test_fsdp1.py` measures it on gloo.
+
 Mixed precision is `MixedPrecisionPolicy(param_dtype=16-bit)` on an fp32 model: the shards of the
 weights and of the gradients are fp32 (they are the master weights: no 16-bit shard), the gathered
 weights and the unsharded gradients 16-bit, the reduce-scatter in `setup.fsdp_reduce_dtype` (None:
@@ -144,7 +157,10 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     blocks = setup.fsdp_wrapping == "blocks"
     # gathered from forward to the end of backward: the root, and under zero2 every group
     always = root + (0 if zero3 else all_layers + embeddings + head)
-    prefetched = largest if zero3 else 0  # zero2 gathers nothing in backward
+    running = largest if zero3 else 0  # zero2 gathers nothing in backward
+    # FSDP2 prefetches the next layer in backward; accelerate's FSDP1 does not (backward_prefetch NO_PREFETCH)
+    ahead = running if setup.fsdp_version == 2 else 0
+    fsdp2 = setup.fsdp_version == 2
     # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
     trace_head_grads = gr.head_side
     trace_root_grads = gr.root + gr.embeddings + gr.head
@@ -167,7 +183,7 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     new_shard = last * to_reduce / setup.gpus * 4 / reduce_size if mixed else 0
     # zero3 gathers the root again at the start of backward: its flat all-gather buffer lives beside the
     # unsharded parameters it is copied into (`foreach_all_gather_copy_out`), the forward's activations kept
-    regather = root if zero3 and setup.fsdp_reshard_root else 0
+    regather = root if zero3 and setup.fsdp_reshard_root and fsdp2 else 0  # FSDP1 keeps the root gathered
     layer_shards = gradient_shards * sum(gr.layers) / all_grads  # the layers' reduced gradient shards
     model_states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
@@ -184,17 +200,17 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     phases = {
         # the output layer and the loss (the head group gathered), one layer's flat all-gather buffer still held
         "forward": (batch + trace.forward_peak_without_grads + dequant + held + trace.kept_outputs, accumulated,
-                    always + (head if zero3 else 0) + largest),
+                    always + (head if zero3 else 0) + (largest if fsdp2 else 0)),
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
         "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + dequant + held, accumulated,
-                          always + (head if zero3 else 0) + prefetched + head_grads),
+                          always + (head if zero3 else 0) + ahead + head_grads),
         # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
         # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
         # layer the reduced shards of all the others
         "layers backward": (batch + layers_peak + dequant - (above if first_layer else 0),
                             max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
-                            always + 2 * prefetched + largest_grads + held_head_grads),
+                            always + running + ahead + largest_grads + held_head_grads),
         # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
         # on gloo, torchtitan's head group's is),
         # the embeddings regathered (zero3, torchtitan) and the gradients reduce-scattered last unsharded
@@ -227,11 +243,15 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
-        "two layers gathered at a time in backward, one layer of unsharded gradients, a group's reduce-scatter " \
-        "input at the tail"
+        f"{'two layers' if fsdp2 else 'one layer'} gathered at a time in backward, one layer of unsharded " \
+        "gradients, a group's reduce-scatter input at the tail"
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
-    note = (f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 else ''}; "
-            f"wrapping {wrapping}): an upper bound, the most FSDP2's schedule lets be alive at once (a measured "
+    engine = "FSDP2" if fsdp2 else ("FSDP1 as accelerate runs it: FullyShardedDataParallel, "
+                                    f"{'FULL_SHARD' if zero3 else 'SHARD_GRAD_OP'}, no backward prefetch, the root "
+                                    "kept gathered" + (", each adapter a unit (the Trainer's peft wrap)"
+                                                       if setup.lora_rank else ""))
+    note = (f"sharding {stage} ({engine}{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 and fsdp2 else ''}; "
+            f"wrapping {wrapping}): an upper bound, the most {engine[:5]}'s schedule lets be alive at once (a measured "
             f"peak moves from run to run below it): root parameters {format_bytes(root)} gathered throughout, one "
             f"layer {format_bytes(largest)}; {held_layers}; the peak: {phase}, whose categories are shown "
             "(gradients: the shards live then)"
