@@ -152,6 +152,7 @@ def test_fsdp_qlora_is_refused_with_a_master_copy_precision_in_one_line():
     (dict(fsdp_version=1, fsdp_wrapping="torchtitan"), "configure FSDP2"),
     (dict(fsdp_version=1, precision="mixed-bf16", lora_rank=0, quant="none"), "MixedPrecision"),
     (dict(fsdp_version=3), "fsdp_version must be 1"),
+    (dict(fsdp_version=1, prepare_kbit=True), "one parameter of one dtype"),
     (dict(fsdp_version=1, shard="zero1"), "need --shard zero2 or zero3"),
 ])
 def test_fsdp1s_options_are_checked_in_one_line(options, message):

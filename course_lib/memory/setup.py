@@ -171,6 +171,10 @@ def _validate_sharding(setup: Setup) -> None:
             != ("blocks", None, True):
         raise PlanError("--fsdp-wrapping, --fsdp-reduce-dtype and --fsdp-keep-root-gathered configure FSDP2: "
                         "FSDP1 is planned as accelerate runs it (each layer a unit, the root kept gathered)")
+    if setup.fsdp_version == 1 and setup.prepare_kbit:
+        raise PlanError("--fsdp-version 1 with prepare_kbit: FSDP1 flattens each unit into one parameter of one dtype "
+                        "(torch's _validate_tensors_to_flatten), and prepare_model_for_kbit_training's fp32 norms sit "
+                        "beside the 16-bit weights of each layer; plan FSDP2, or no prepare_kbit")
     if setup.fsdp_version == 1 and setup.precision.startswith("mixed"):
         raise PlanError(f"--fsdp-version 1 with --precision {setup.precision}: FSDP1's MixedPrecision (a 16-bit copy "
                         "of each shard before its all-gather) is not modelled; plan fp32, bf16 or fp16, or FSDP2")
