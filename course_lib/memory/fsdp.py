@@ -31,7 +31,7 @@ the frozen base makes no gradient, so only the adapters' gradients are unsharded
 
 `setup.fsdp_version == 1`: accelerate's FSDP1 (FullyShardedDataParallel; the Trainer's FSDP recipes). Its
 flat parameter is gathered into itself (no separate all-gather buffer), the root stays gathered from
-forward to backward (FSDP1 never frees the root's parameters after forward), and accelerate's default
+forward to backward (`_runtime_utils._post_forward_reshard` does not free the root's), and accelerate's default
 backward_prefetch (NO_PREFETCH) gathers one layer at a time in backward. The Trainer wraps LoRA's
 adapters as units of their own (transformers/distributed/fsdp.py `update_fsdp_plugin_peft`, peft's
 `fsdp_auto_wrap_policy`), so the frozen layers' flat parameters make no gradient, as under FSDP2.
@@ -70,11 +70,11 @@ class FSDPGroups:
 
 
 def layer_and_root_numels(spec: ModelSpec, size: Callable[[ParamInfo], float] = lambda info: info.numel
-                          ) -> tuple[list[int], int]:
+                          ) -> tuple[list[float], float]:
     """Parameters of each decoder layer (an FSDP2 group each) and of the rest; `size`: what one
     parameter counts (its elements by default; `unit_sizes` gives its bytes)."""
     layers: dict[int, float] = {}
-    root = 0.0
+    root: float = 0
     for info in spec.params:  # info.layer: the decoder layer that layers.find_layer_stack finds
         if info.layer is None:
             root += size(info)
