@@ -118,17 +118,15 @@ def card_of(row: dict) -> GPU | None:
 
 
 def predicted_bytes(result_plan, statistic: str) -> tuple[int, str]:
-    """The planner's figure for a published statistic, and its label. The one place a reserved prediction
-    plugs in: a Plan with a `reserved` attribute (or bytes["reserved"]) is compared as it is; until then
-    the reserved statistic is compared with the allocated prediction, labelled "alloc"."""
+    """The planner's figure for a published statistic, and its label: from the plan's OOM line (a row is
+    planned on its GPU) allocated, reserved, or nvidia-smi's estimate (reserved, the CUDA context and
+    resident paged state). A plan without a GPU has allocated only, labelled "alloc" where compared."""
+    line = result_plan.oom_line
+    if line is not None:
+        figures = {"allocated": line.allocated, "active": line.allocated, "reserved": line.reserved}
+        return figures.get(statistic, line.nvidia_smi), statistic if statistic in figures else "nvidia-smi"
     allocated = result_plan.total - result_plan.bytes["overhead"]  # max_memory_allocated has no CUDA context
-    reserved = getattr(result_plan, "reserved", None) or result_plan.bytes.get("reserved")
-    if statistic in ("allocated", "active"):
-        return allocated, "allocated"
-    if statistic == "reserved":
-        return (reserved, "reserved") if reserved else (allocated, "alloc")
-    context = result_plan.bytes["overhead"]  # nvidia-smi: what the allocator holds plus the CUDA context
-    return ((reserved + context, "reserved+ctx") if reserved else (allocated + context, "alloc+ctx"))
+    return (allocated, "allocated") if statistic in ("allocated", "active") else (allocated, "alloc")
 
 
 def evaluate(row: dict) -> Result:
@@ -236,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("\nWhy each is left out:" + ("\n" if args.markdown else ""))
             print("\n".join(f"{'- ' if args.markdown else '  '}{r['id']}: {r['exclusion']}" for r in members))
-    print(f"\nalloc: the reserved statistic compared with the allocated prediction (the planner has no reserved "
-          f"figure yet); trust grades: {'; '.join(f'{k} {v}' for k, v in TRUST.items())}.")
+    print("\nalloc: a statistic compared with the allocated prediction (a plan without a GPU); trust grades: "
+          + "; ".join(f"{k} {v}" for k, v in TRUST.items()) + ".")
     return 0
 
 

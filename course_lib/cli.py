@@ -78,7 +78,7 @@ def _plan(args: argparse.Namespace) -> int:
                                checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
                                loop=args.loop, gpu=args.gpu, gpus=args.gpus, shard=args.shard,
                                fsdp_wrapping=args.fsdp_wrapping, fsdp_reduce_dtype=args.fsdp_reduce_dtype,
-                               fsdp_reshard_root=args.fsdp_reshard_root,
+                               fsdp_reshard_root=args.fsdp_reshard_root, fsdp_version=args.fsdp_version,
                                optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
                                offload_activations=args.offload_activations)
     except PlanError as error:
@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--fsdp-keep-root-gathered", dest="fsdp_reshard_root", action="store_false", default=None,
                       help="zero3: the root is not resharded after forward (FSDP2's default; the course's zero3 "
                            "reshards it: 3 P sent)")
+    plan.add_argument("--fsdp-version", type=int, choices=(1, 2),
+                      help="zero2/zero3: 2 (FSDP2, default) or 1 (accelerate's FSDP1, the Trainer's FSDP recipes)")
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser

@@ -37,6 +37,8 @@ HUB_IDS = {
     "qwen2.5-7b": "Qwen/Qwen2.5-7B",
     "phi-3-mini": "microsoft/Phi-3-mini-4k-instruct",
     "gemma-2-2b": "google/gemma-2-2b",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
 }
 
 

@@ -39,6 +39,8 @@ PUBLISHED_PARAMETERS = {
     "qwen2.5-7b": 7_615_616_512,
     "phi-3-mini": 3_821_079_552,
     "gemma-2-2b": 2_614_341_888,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_122_624,
 }
 
 def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype | None = None,

@@ -59,10 +59,11 @@ def test_units_are_converted_as_their_names_say():
     assert accuracy.published_bytes({"value": "", "unit": "GiB"}) is None
 
 
-def test_the_script_plans_a_row_reports_a_refusal_and_the_worst_error(capsys):
+def test_the_script_plans_rows_fsdp_qlora_included_reports_a_left_out_one_and_the_worst_error(capsys):
     assert accuracy.main(["--rows", "hub-llama2-7b-lora,fq-qlora-b1-512,tt-1"]) == 0
     out = capsys.readouterr().out
-    assert "refused: --shard zero3 with --quant nf4" in out  # FSDP of a 4-bit base, as the planner says it
+    fsdp_qlora = next(text for text in out.splitlines() if text.startswith("fq-qlora-b1-512"))
+    assert " reserved " in fsdp_qlora and "%" in fsdp_qlora  # FSDP of a 4-bit base, planned with its reserve
     assert "not planned: config incomplete" in out
     line = next(text for text in out.splitlines() if text.startswith("hub-llama2-7b-lora"))
     published, predicted = (float(x) for x in re.findall(r"(\d+\.\d+)(?= |$)", line)[:2])
@@ -71,14 +72,14 @@ def test_the_script_plans_a_row_reports_a_refusal_and_the_worst_error(capsys):
     assert "allocated: worst" in out
 
 
-def test_reserved_uses_a_reserved_prediction_once_the_plan_has_one():
-    class Planned:
-        total, bytes = 10, {"overhead": 2}
-
-    assert accuracy.predicted_bytes(Planned(), "reserved") == (8, "alloc")
-    Planned.reserved = 9
-    assert accuracy.predicted_bytes(Planned(), "reserved") == (9, "reserved")
-    assert accuracy.predicted_bytes(Planned(), "nvidia-smi") == (11, "reserved+ctx")
+def test_each_statistic_is_compared_with_the_plans_own_figure_for_it():
+    on_gpu, on_cpu = plan("gpt2", gpu="t4"), plan("gpt2")
+    line = on_gpu.oom_line
+    assert accuracy.predicted_bytes(on_gpu, "allocated") == (line.allocated, "allocated")
+    assert accuracy.predicted_bytes(on_gpu, "reserved") == (on_gpu.reserved, "reserved")
+    assert accuracy.predicted_bytes(on_gpu, "nvidia-smi") == (line.nvidia_smi, "nvidia-smi")
+    assert line.allocated < on_gpu.reserved < line.nvidia_smi
+    assert accuracy.predicted_bytes(on_cpu, "reserved") == (on_cpu.total - on_cpu.bytes["overhead"], "alloc")
 
 
 def test_a_row_maps_to_the_setup_the_cli_would_build():

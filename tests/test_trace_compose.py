@@ -29,6 +29,8 @@ def test_the_composed_trace_is_the_full_trace(name):
     for setup, target in SETUPS:
         if name.startswith("gemma-2"):  # its implementation refuses SDPA
             setup = replace(setup, attention="eager")
+        if setup.lora_rank and any(len(info.shape) == 3 for info in spec.params):  # MoE: LoRA on its experts is refused
+            setup = replace(setup, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
         composed = composed_trace(deep, setup, target, memory_trace._trace)
         assert composed is not None
         assert composed == memory_trace._trace(deep, setup, target), (name, setup)

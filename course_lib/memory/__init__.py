@@ -19,7 +19,7 @@ real training steps measured by `course_lib.measure`.
 
 The package, a module per job: `setup` (what is asked), `states` (model states, exact), `trace` (the
 meta-device step), `autocast` (torch.autocast on the meta device, for the amp precisions), `compose` (the fast path; `course_lib.cache` keeps traces on disk), `activations`
-(the step over the model states), `sharded` (one rank's share, lesson 6), `fsdp` (FSDP2's phases, lesson 6), `toolbox` (lesson 7's
+(the step over the model states), `sharded` (one rank's share, lesson 6), `fsdp` (FSDP2's and FSDP1's phases, FSDP + QLoRA, lesson 6), `moe` (MoE models' 3-D experts), `toolbox` (lesson 7's
 tricks), `gpus` (the catalog and the fit verdict), `reserved` (the caching allocator's reserve, the
 cuBLAS workspaces and the OOM line on a GPU), `prediction` (one setup's plan and its notes),
 `fit` (what makes it fit), `planner` (`plan` and `plan_from_cli`, the entry points).

@@ -30,6 +30,19 @@ worker thread holding the root's flat all-gather buffer on into the output layer
 delayed on a loaded machine rather than FSDP2's schedule (seen on gloo: gpt2-6L and qwen2-3L, 4 ranks,
 +1.9 and +2.0 MiB on some ranks in one of 5 starts).
 
+FSDP + QLoRA (lesson 6): the packed 4-bit weights, stored in `bnb_4bit_quant_storage` elements (bf16),
+are sharded and gathered like any 16-bit tensor; the quant_state is module state, whole on every rank;
+the frozen base makes no gradient, so only the adapters' gradients are unsharded and reduce-scattered
+(`unit_sizes` counts each group in bytes). `tests/test_fsdp_qlora.py` measures it on gloo.
+
+`setup.fsdp_version == 1`: accelerate's FSDP1 (FullyShardedDataParallel; the Trainer's FSDP recipes). Its
+flat parameter is gathered into itself (no separate all-gather buffer), the root stays gathered from
+forward to backward (`_runtime_utils._post_forward_reshard` does not free the root's), and accelerate's default
+backward_prefetch (NO_PREFETCH) gathers one layer at a time in backward. The Trainer wraps LoRA's
+adapters as units of their own (transformers/distributed/fsdp.py `update_fsdp_plugin_peft`, peft's
+`fsdp_auto_wrap_policy`), so the frozen layers' flat parameters make no gradient, as under FSDP2.
+`tests/test_fsdp1.py` measures it on gloo.
+
 Mixed precision is `MixedPrecisionPolicy(param_dtype=16-bit)` on an fp32 model: the shards of the
 weights and of the gradients are fp32 (they are the master weights: no 16-bit shard), the gathered
 weights and the unsharded gradients 16-bit, the reduce-scatter in `setup.fsdp_reduce_dtype` (None:
@@ -39,13 +52,14 @@ the gradients' dtype, FSDP2's default; "fp32": torchtitan's).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from course_lib.measure import format_bytes
 from course_lib.memory.activations import checkpointing_changes, layers_backward_peak
-from course_lib.memory.setup import Setup
-from course_lib.memory.states import ModelStates
-from course_lib.models import ModelSpec
+from course_lib.memory.setup import Setup, itemsize
+from course_lib.memory.states import ModelStates, nf4_bytes, target_match
+from course_lib.models import ModelSpec, ParamInfo
 
 
 @dataclass(frozen=True)
@@ -54,33 +68,37 @@ class FSDPGroups:
     keeps; `embeddings` and `head` torchtitan's units; `head_side` the parameters outside the layers
     that run at the head (the final norm and an untied output layer), whatever group holds them."""
 
-    layers: list[int]
-    root: int
-    embeddings: int
-    head: int
-    head_side: int
+    layers: list[float]
+    root: float
+    embeddings: float
+    head: float
+    head_side: float
 
 
-def layer_and_root_numels(spec: ModelSpec) -> tuple[list[int], int]:
-    """Parameters of each decoder layer (an FSDP2 group each) and of the rest."""
-    layers: dict[int, int] = {}
-    root = 0
+def layer_and_root_numels(spec: ModelSpec, size: Callable[[ParamInfo], float] = lambda info: info.numel
+                          ) -> tuple[list[float], float]:
+    """Parameters of each decoder layer (an FSDP2 group each) and of the rest; `size`: what one
+    parameter counts (its elements by default; `unit_sizes` gives its bytes)."""
+    layers: dict[int, float] = {}
+    root: float = 0
     for info in spec.params:  # info.layer: the decoder layer that layers.find_layer_stack finds
         if info.layer is None:
-            root += info.numel
+            root += size(info)
         else:
-            layers[info.layer] = layers.get(info.layer, 0) + info.numel
+            layers[info.layer] = layers.get(info.layer, 0) + size(info)
     return list(layers.values()), root
 
 
-def fsdp_groups(spec: ModelSpec, wrapping: str) -> FSDPGroups:
+def fsdp_groups(spec: ModelSpec, wrapping: str, size: Callable[[ParamInfo], float] = lambda info: info.numel
+                ) -> FSDPGroups:
     """The groups `course_lib.sharding.engines.fsdp_units` makes: "blocks" leaves everything outside
     the layers to the root; "torchtitan" gives the input embeddings (the first embedding outside the
-    layers) and the rest their own groups, and leaves tied embeddings (also the output layer) to the root."""
-    layers, outside_numel = layer_and_root_numels(spec)
+    layers) and the rest their own groups, and leaves tied embeddings (also the output layer) to the root.
+    Each group counted in `size` (elements by default)."""
+    layers, outside_numel = layer_and_root_numels(spec, size)
     outside = [info for info in spec.params if info.layer is None]
-    embedding = next((info.numel for info in outside if info.module == "embedding"), 0)
-    head_side = sum(info.numel for info in outside if info.is_lm_head or info.module != "embedding")
+    embedding = next((size(info) for info in outside if info.module == "embedding"), 0)
+    head_side = sum(size(info) for info in outside if info.is_lm_head or info.module != "embedding")
     if wrapping == "blocks":
         return FSDPGroups(layers, outside_numel, 0, 0, head_side)
     if not any(info.is_lm_head for info in spec.params):  # tied: the output layer is the input embeddings
@@ -95,44 +113,76 @@ def fsdp_fraction(spec: ModelSpec, n: int) -> float:
     return local / spec.n_params
 
 
+def unit_sizes(spec: ModelSpec, setup: Setup, values: dict) -> tuple[Callable, Callable]:
+    """(bytes of one base parameter as its group gathers it, bytes of its unsharded gradient), LoRA's
+    adapters on it included (lesson 6, "FSDP + QLoRA").
+
+    A full fine-tune gathers every parameter in the compute dtype and makes a gradient of the same size.
+    Under LoRA the frozen base is gathered as stored and makes no gradient; each adapted layer adds its
+    fp32 adapters (peft's default) to the gathered bytes and their fp32 gradients. A 4-bit base is
+    stored packed in `bnb_4bit_quant_storage` elements (bitsandbytes 0.50 `Params4bit._quantize`: shape
+    (numel / (2 * itemsize), 1)), which FSDP shards and gathers like any 16-bit tensor: two 4-bit values
+    a byte. Its quant_state (absmax, nested absmax, code) is no parameter: each rank keeps all of it."""
+    if not setup.lora_rank:
+        per_param = (values["weights"] + values["quantization"]) / spec.n_params
+        grad_ratio = values["gradients"] / max(values["weights"] + values["quantization"], 1)
+        return (lambda info: info.numel * per_param), (lambda info: info.numel * per_param * grad_ratio)
+    base = 4 if setup.prepare_kbit else itemsize(setup.weight_dtype)
+
+    def adapters(info: ParamInfo) -> int:
+        return setup.lora_rank * sum(info.shape) if target_match(info, setup.lora_targets) else 0
+
+    def stored(info: ParamInfo) -> int:
+        if setup.quant != "none" and info.module == "linear" and not info.is_lm_head and info.name.endswith(".weight"):
+            return nf4_bytes(info.numel, setup.quant == "nf4-dq")[0]
+        return info.numel * base
+
+    return (lambda info: stored(info) + 4 * adapters(info)), (lambda info: 4 * adapters(info))
+
+
 def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: ModelStates,
                 step_temporaries: int) -> tuple[dict, dict, str]:
     """One rank's bytes by category under zero2/zero3 (the peak phase's), the details, and a note."""
     stage, zero3 = setup.shard, setup.shard == "zero3"
     out = dict(values)
     fraction = fsdp_fraction(spec, setup.gpus)
-    for category in ("weights", "gradients", "optimizer_state", "master_weights", "quantization"):
+    for category in ("weights", "gradients", "optimizer_state", "master_weights"):
         out[category] = round(values[category] * fraction)
-    grads, weight_bytes = values["gradients"], values["weights"] + values["quantization"]
+    # the 4-bit quant_state is module state, not a parameter: whole on every rank
     if setup.precision.startswith("mixed"):  # fp32 shards of the weights and the gradients, no 16-bit shard
         out["weights"], out["master_weights"] = round(4 * spec.n_params * fraction), 0
         out["gradients"] = round(4 * states.trainable * fraction)
     gradient_shards = out["gradients"]
-    g = fsdp_groups(spec, setup.fsdp_wrapping)
-    per_param = weight_bytes / spec.n_params  # the dtype the groups are gathered and compute in
-    grad_ratio = grads / max(weight_bytes, 1)  # gradient bytes per weight byte (1 for a full fine-tune)
-    largest, all_layers = max(g.layers) * per_param, sum(g.layers) * per_param
-    root, embeddings, head = g.root * per_param, g.embeddings * per_param, g.head * per_param
+    gathered, grad = unit_sizes(spec, setup, values)
+    g = fsdp_groups(spec, setup.fsdp_wrapping)  # elements: the layers' share of the activations
+    w = fsdp_groups(spec, setup.fsdp_wrapping, gathered)  # bytes as gathered
+    gr = fsdp_groups(spec, setup.fsdp_wrapping, grad)  # bytes of the unsharded gradients
+    all_grads = max(sum(gr.layers) + gr.root + gr.embeddings + gr.head, 1)
+    largest, all_layers, largest_grads = max(w.layers), sum(w.layers), max(gr.layers)
+    root, embeddings, head = w.root, w.embeddings, w.head
     blocks = setup.fsdp_wrapping == "blocks"
     # gathered from forward to the end of backward: the root, and under zero2 every group
     always = root + (0 if zero3 else all_layers + embeddings + head)
-    prefetched = largest if zero3 else 0  # zero2 gathers nothing in backward
+    running = largest if zero3 else 0  # zero2 gathers nothing in backward
+    # FSDP2 prefetches the next layer in backward; accelerate's FSDP1 does not (backward_prefetch NO_PREFETCH)
+    ahead = running if setup.fsdp_version == 2 else 0
+    fsdp2 = setup.fsdp_version == 2
     # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
-    trace_head_grads = g.head_side * per_param * grad_ratio
-    trace_root_grads = (g.root + g.embeddings + g.head) * per_param * grad_ratio
+    trace_head_grads = gr.head_side
+    trace_root_grads = gr.root + gr.embeddings + gr.head
     # torchtitan's head group can hold an input-side parameter (GPT-2's position embeddings): the group stays
     # gathered through the layers' backward (measured on gloo)
-    head_input = 0 if blocks else (g.head - g.head_side) * per_param
+    head_input = 0 if blocks else w.head - w.head_side
     # blocks: the root's gradients wait for the final callback; torchtitan: the head group's are
     # reduce-scattered after its backward, the embeddings' after theirs, at the tail
     held_head_grads = trace_head_grads if blocks else 0
-    tail_grads = trace_root_grads if blocks else (root + embeddings) * grad_ratio
-    head_shards = 0 if blocks else gradient_shards * g.head / spec.n_params
+    tail_grads = trace_root_grads if blocks else gr.root + gr.embeddings
+    head_shards = 0 if blocks else gradient_shards * gr.head / all_grads
     mixed = setup.precision.startswith("mixed")
     reduce_size = 4 if setup.fsdp_reduce_dtype == "fp32" else states.grad_itemsize
     to_reduce = reduce_size / states.grad_itemsize
     # one group's reduce-scatter input, kept until the next group's reduce-scatter is issued
-    reduce_input = max(largest, head) * grad_ratio * to_reduce
+    reduce_input = max(largest_grads, gr.head) * to_reduce
     # the last reduce-scatter (the root's in the final callback; torchtitan's embeddings'): its unsharded
     # gradients beside their copy in the reduce dtype (`foreach_reduce_scatter_copy_in`); under mixed
     # precision the unsharded 16-bit gradients are still alive when the reduced shard is cast to fp32
@@ -141,15 +191,16 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     new_shard = last * to_reduce / setup.gpus * 4 / reduce_size if mixed else 0
     # zero3 gathers the root again at the start of backward: its flat all-gather buffer lives beside the
     # unsharded parameters it is copied into (`foreach_all_gather_copy_out`), the forward's activations kept
-    regather = root if zero3 and setup.fsdp_reshard_root else 0
+    regather = root if zero3 and setup.fsdp_reshard_root and fsdp2 else 0  # FSDP1 keeps the root gathered
     # the overlap of the high runs (measured on gloo, the live storages at each rank's peak): FSDP2 frees an
     # all-gather's flat buffer in backward right after its copy-out, but gloo's worker thread drops its own
     # reference later; the root's `pre_backward` (`_fsdp_param_group.py`: unshard, wait_for_unshard,
     # _backward_prefetch) issues the last layer's all-gather while the root's buffer can still be alive:
-    # "backward start" counts `prefetched` beside `regather`
-    layer_shards = gradient_shards * sum(g.layers) / spec.n_params  # the layers' reduced gradient shards
+    # "backward start" counts the prefetched layer (`ahead`) beside `regather`
+    layer_shards = gradient_shards * sum(gr.layers) / all_grads  # the layers' reduced gradient shards
     model_states = sum(out[c] for c in ("weights", "optimizer_state", "master_weights", "quantization"))
     batch = 2 * setup.batch * setup.seq * 8
+    dequant = trace.dequant_transient  # a 4-bit base: one gathered layer's weight dequantized per matmul
     chosen, held = checkpointing_changes(trace, setup)  # lesson 3's plan, as for one GPU
     layers_peak = layers_backward_peak(trace, chosen.plan, with_grads=False)
     share = max(g.layers) / sum(g.layers)
@@ -161,18 +212,18 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # each phase as (activations, gradient shards, engine buffers) over the sharded weights and states
     phases = {
         # the output layer and the loss (the head group gathered), one layer's flat all-gather buffer still held
-        "forward": (batch + trace.forward_peak_without_grads + held + trace.kept_outputs, accumulated,
-                    always + (head if zero3 else 0) + largest),
+        "forward": (batch + trace.forward_peak_without_grads + dequant + held + trace.kept_outputs, accumulated,
+                    always + (head if zero3 else 0) + (largest if fsdp2 else 0)),
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
-        "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + held, accumulated,
-                          always + (head if zero3 else 0) + prefetched + trace_head_grads),
+        "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + dequant + held, accumulated,
+                          always + (head if zero3 else 0) + ahead + trace_head_grads),
         # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
         # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
         # layer the reduced shards of all the others
-        "layers backward": (batch + layers_peak - (above if first_layer else 0),
+        "layers backward": (batch + layers_peak + dequant - (above if first_layer else 0),
                             max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
-                            always + 2 * prefetched + largest * grad_ratio + held_head_grads
+                            always + running + ahead + largest_grads + held_head_grads
                             + (head_input if zero3 else 0)),
         # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
         # on gloo, torchtitan's head group's is),
@@ -182,7 +233,7 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                           max(accumulated, layer_shards + head_shards),
                           always + (embeddings if zero3 else 0) + tail_grads + reduce_input),
         "backward start": (batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs, accumulated,
-                           always + regather + prefetched),
+                           always + regather + ahead),
         # the last reduce-scatter, every other group reduced and resharded, no activation left
         "final reduce-scatter": (batch + trace.kept_outputs, max(accumulated, layer_shards + head_shards) + new_shard,
                                  last * (1 + to_reduce)),
@@ -204,19 +255,29 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   optimizer_step_peak=round(model_states + totals["optimizer step"]),
                   gradient_shards=gradient_shards,
                   activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
+                  buffers_by_phase={p: round(b) for p, (_, _, b) in phases.items()},
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
-        "two layers gathered at a time in backward, one layer of unsharded gradients, a group's reduce-scatter " \
-        "input at the tail" + ("; overlapping at backward start: the root's flat all-gather buffer (gloo still " \
-        "holds it), its unsharded parameters and the last layer's all-gather, prefetched" if regather else "")
+        f"{'two layers' if fsdp2 else 'one layer'} gathered at a time in backward, one layer of unsharded " \
+        "gradients, a group's reduce-scatter input at the tail" + ("; overlapping at backward start: the root's " \
+        "flat all-gather buffer (gloo still holds it), its unsharded parameters and the last layer's all-gather, " \
+        "prefetched" if regather else "")
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
-    note = (f"sharding {stage} (FSDP2{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 else ''}; "
-            f"wrapping {wrapping}): an upper bound, the most FSDP2's schedule lets be alive at once (a measured "
+    engine = "FSDP2" if fsdp2 else ("FSDP1 as accelerate runs it: FullyShardedDataParallel, "
+                                    f"{'FULL_SHARD' if zero3 else 'SHARD_GRAD_OP'}, no backward prefetch, the root "
+                                    "kept gathered" + (", each adapter a unit (the Trainer's peft wrap)"
+                                                       if setup.lora_rank else ""))
+    note = (f"sharding {stage} ({engine}{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 and fsdp2 else ''}; "
+            f"wrapping {wrapping}): an upper bound, the most {engine[:5]}'s schedule lets be alive at once (a measured "
             f"peak moves from run to run below it): root parameters {format_bytes(root)} gathered throughout, one "
             f"layer {format_bytes(largest)}; {held_layers}; the peak: {phase}, whose categories are shown "
             "(gradients: the shards live then)"
             + ("; mixed precision: MixedPrecisionPolicy(param_dtype=16-bit) on an fp32 model, whose fp32 shards "
                "are the master weights (weights row)" if setup.precision.startswith("mixed") else "")
+            + (f"; a 4-bit base (bnb_4bit_quant_storage={setup.precision}, the compute dtype, so that FSDP can "
+               f"shard it): the packed weights sharded and gathered a layer at a time, each rank keeping all the "
+               f"quant_state ({format_bytes(out['quantization'])}: no parameter), only the adapters' gradients "
+               "reduce-scattered" if setup.quant != "none" else "")
             + (f"; with accum {setup.accum} each micro-batch is reduce-scattered (FSDP2's default) and every "
                f"gradient shard ({format_bytes(gradient_shards)}) is held from the first micro-batch to the step"
                if accumulated else ""))

@@ -16,6 +16,7 @@ ATTENTIONS = ("sdpa", "eager")
 LOOPS = ("trainer", "keep-outputs")
 SHARDS = ("none", "zero1", "zero2", "zero3")  # lesson 6, `course_lib.memory.sharded`
 FSDP_WRAPPINGS = ("blocks", "torchtitan")  # lesson 6, `course_lib.sharding.engines.fsdp_units`
+FSDP_VERSIONS = (1, 2)  # accelerate's FSDP1 (FullyShardedDataParallel) and FSDP2 (fully_shard)
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
               "optimizer_temporaries", "overhead", "total")
 DEFAULT_LORA_RANK = 16
@@ -60,6 +61,10 @@ class Setup:
     bf16); fsdp_wrapping "blocks" or "torchtitan" (`course_lib.sharding.engines`); fsdp_reduce_dtype
     None (the reduce-scatter in the compute dtype, FSDP2's default) or "fp32" (torchtitan's);
     fsdp_reshard_root: zero3 reshards the root after forward too (3P sent), False: FSDP2's default.
+    fsdp_version: 2 (FSDP2, `course_lib.sharding.engines`) or 1: accelerate's FSDP1 (the Trainer's FSDP
+    recipes: FullyShardedDataParallel, zero2 = SHARD_GRAD_OP, zero3 = FULL_SHARD, accelerate's default
+    backward_prefetch NO_PREFETCH, LoRA's adapters each a unit of their own as the Trainer wraps them with
+    peft's fsdp_auto_wrap_policy; `tests/test_fsdp1.py` measures it), with FSDP2's other options at theirs.
     Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
     chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
     moves what autograd saves to host memory (torch's save_on_cpu).
@@ -85,6 +90,7 @@ class Setup:
     fsdp_wrapping: str = "blocks"
     fsdp_reduce_dtype: str | None = None
     fsdp_reshard_root: bool = True
+    fsdp_version: int = 2
     optimizer_in_backward: bool = False
     chunked_loss: int | None = None
     offload_activations: bool = False
@@ -163,12 +169,22 @@ def _validate_sharding(setup: Setup) -> None:
         raise PlanError(f"fsdp_reduce_dtype must be None (the compute dtype) or 'fp32', got {setup.fsdp_reduce_dtype!r}")
     if not isinstance(setup.fsdp_reshard_root, bool):
         raise PlanError(f"fsdp_reshard_root must be True or False, got {setup.fsdp_reshard_root!r}")
-    if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) != ("blocks", None, True) \
-            and setup.shard not in ("zero2", "zero3"):
-        raise PlanError(f"the --fsdp-* options configure FSDP2: they need --shard zero2 or zero3, not {setup.shard}")
-    if setup.shard in ("zero2", "zero3") and setup.quant != "none":
-        raise PlanError(f"--shard {setup.shard} with --quant {setup.quant}: FSDP of a 4-bit base is not modelled; "
-                        "plan QLoRA on one GPU (no --gpus) or shard a 16-bit model")
+    if setup.fsdp_version not in FSDP_VERSIONS or isinstance(setup.fsdp_version, bool):
+        raise PlanError(f"fsdp_version must be 1 (accelerate's FSDP1) or 2 (FSDP2), got {setup.fsdp_version!r}")
+    if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root, setup.fsdp_version) \
+            != ("blocks", None, True, 2) and setup.shard not in ("zero2", "zero3"):
+        raise PlanError(f"the --fsdp-* options configure FSDP: they need --shard zero2 or zero3, not {setup.shard}")
+    if setup.fsdp_version == 1 and (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) \
+            != ("blocks", None, True):
+        raise PlanError("--fsdp-wrapping, --fsdp-reduce-dtype and --fsdp-keep-root-gathered configure FSDP2: "
+                        "FSDP1 is planned as accelerate runs it (each layer a unit, the root kept gathered)")
+    if setup.fsdp_version == 1 and setup.prepare_kbit:
+        raise PlanError("--fsdp-version 1 with prepare_kbit: FSDP1 flattens each unit into one parameter of one dtype "
+                        "(torch's _validate_tensors_to_flatten), and prepare_model_for_kbit_training's fp32 norms sit "
+                        "beside the 16-bit weights of each layer; plan FSDP2, or no prepare_kbit")
+    if setup.fsdp_version == 1 and setup.precision.startswith("mixed"):
+        raise PlanError(f"--fsdp-version 1 with --precision {setup.precision}: FSDP1's MixedPrecision (a 16-bit copy "
+                        "of each shard before its all-gather) is not modelled; plan fp32, bf16 or fp16, or FSDP2")
 
 
 def _validate_toolbox(setup: Setup) -> None:

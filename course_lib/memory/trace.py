@@ -15,6 +15,7 @@ from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
 from course_lib.memory.autocast import MetaAutocast
 from course_lib.memory.compose import composed_trace
+from course_lib.memory.moe import grouped_mm_on_meta, refuse_lora_on_experts
 from course_lib.memory.reserved import AllocationStream, stream_slack
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.states import model_states
@@ -84,6 +85,8 @@ def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
     """
     original = torch.nn.functional.scaled_dot_product_attention
     original_dropout = torch.nn.functional.dropout
+    original_grouped_mm = torch.nn.functional.grouped_mm
+    grouped_mm = grouped_mm_on_meta(original_grouped_mm)  # MoE experts in fp32 (prepare_kbit) or fp16
 
     def dropout(input, p=0.5, training=True, inplace=False):
         if target == "cuda" and input.device.type == "meta" and training and 0.0 < p < 1.0 and not inplace:
@@ -111,6 +114,7 @@ def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
     find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
     torch.nn.functional.scaled_dot_product_attention = sdpa
     torch.nn.functional.dropout = dropout
+    torch.nn.functional.grouped_mm = grouped_mm
     if find_packed is not None:
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
@@ -118,6 +122,7 @@ def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
         torch.nn.functional.dropout = original_dropout
+        torch.nn.functional.grouped_mm = original_grouped_mm
         if find_packed is not None:
             masking_utils.find_packed_sequence_indices = find_packed
 
@@ -255,9 +260,9 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
                                                      init_lora_weights=False),  # values: none on meta
                                    autocast_adapter_dtype=setup.autocast_adapter_dtype)
         if not setup.autocast_adapter_dtype:  # peft casts adapters to the base's dtype, but skips meta ones
-            for param in model.parameters():
-                if param.requires_grad:
-                    param.data = param.data.to(setup.weight_dtype)
+            for param in (p for p in model.parameters() if p.requires_grad):
+                param.data = param.data.to(setup.weight_dtype)
+        refuse_lora_on_experts(model, spec, setup)
     return model
 
 
