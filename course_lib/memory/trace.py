@@ -29,8 +29,9 @@ class _MetaTracer(LiveStorageTracker):
     Keyed by the storage's identity (meta storages all have address 0). Parameters and the batch are
     excluded (`exclude`). `grad_bytes` follows the gradients stored in `.grad` (post-accumulate-grad
     hooks), so that `current - grad_bytes` is what is live besides them. Peaks are kept per phase
-    and per position (the decoder layer running, or "pre"/"post": before/after them); phases are
-    revisited, so a phase's peak is never reset.
+    and per position (the decoder layer running, or "pre"/"post": before/after them), each with the
+    gradients live at the moment it was first reached; phases are revisited, so a phase's peak is
+    never reset.
     """
 
     def __init__(self) -> None:
@@ -39,7 +40,8 @@ class _MetaTracer(LiveStorageTracker):
         self.phase = "forward"
         self.position: int | str = "pre"
         self.peaks_without_grads: dict[str, int] = {}
-        self.position_peaks: dict[tuple[str, int | str], tuple[int, int]] = {}
+        self.peak_grads: dict[str, int] = {}  # the gradients live at each phase's peak
+        self.position_peaks: dict[tuple[str, int | str], tuple[int, int, int]] = {}
         self.known: set[int] = set()
 
     def exclude(self, tensor: torch.Tensor) -> None:
@@ -54,13 +56,15 @@ class _MetaTracer(LiveStorageTracker):
         self.current += delta
         if self.current > self.phase_peaks.get(self.phase, 0):
             self.phase_peaks[self.phase] = self.current
+            self.peak_grads[self.phase] = self.grad_bytes
         rest = self.current - self.grad_bytes
         if rest > self.peaks_without_grads.get(self.phase, 0):
             self.peaks_without_grads[self.phase] = rest
         where = (self.phase, self.position)
-        old = self.position_peaks.get(where, (0, 0))
+        old = self.position_peaks.get(where, (0, 0, 0))
         if self.current > old[0] or rest > old[1]:
-            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest))
+            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest),
+                                          self.grad_bytes if self.current > old[0] else old[2])
 
     def set_phase(self, phase: str, position: int | str | None = None) -> None:
         self.phase = phase
@@ -190,7 +194,14 @@ class Trace:
     # layer (what checkpointing that layer does not free before backward) and outside them
     autocast_cached: tuple[int, ...] = ()
     autocast_cached_outside: int = 0
-    # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
+    # the parameter gradients live at each phase's peak (the categories of the phase that holds the
+    # plan's peak), and per decoder layer those its own backward made before its peak
+    forward_peak_grads: int = 0
+    head_backward_peak_grads: int = 0
+    layer_backward_peak_grads: int = 0
+    tail_backward_peak_grads: int = 0
+    layer_peak_grads: tuple[int, ...] = ()
+    # (phase, layer index or "pre"/"post") -> (peak, peak without gradients, gradients at the peak): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -365,8 +376,9 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         dequant = max(p.numel for p in spec.params if p.module == "linear" and not p.is_lm_head) \
             * itemsize(setup.weight_dtype)
     peaks, rest = tracer.phase_peaks, tracer.peaks_without_grads
-    climbs, climbs_with_grads, layer_grads, head_grads = _backward_climbs(tracer, saved, inputs, output["bytes"],
-                                                                          grads_at)
+    climbs, climbs_with_grads, layer_grads, head_grads, own = _backward_climbs(tracer, saved, inputs, output["bytes"],
+                                                                               grads_at)
+    at_peak = tracer.peak_grads
     return Trace(
         forward_peak=peaks.get("forward", 0), head_backward_peak=peaks.get("head_backward", 0),
         layer_backward_peak=peaks.get("layer_backward", 0), tail_backward_peak=peaks.get("tail_backward", 0),
@@ -378,7 +390,11 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, backward_climbs=climbs,
         backward_climbs_with_grads=climbs_with_grads, layer_grads=layer_grads, head_grads=head_grads,
         offloaded=0 if offload is None else offload.to_host, autocast_cached=tuple(cached[:-1]),
-        autocast_cached_outside=cached[-1], by_position=dict(tracer.position_peaks))
+        autocast_cached_outside=cached[-1], forward_peak_grads=at_peak.get("forward", 0),
+        head_backward_peak_grads=at_peak.get("head_backward", 0),
+        layer_backward_peak_grads=at_peak.get("layer_backward", 0),
+        tail_backward_peak_grads=at_peak.get("tail_backward", 0), layer_peak_grads=own,
+        by_position=dict(tracer.position_peaks))
 
 
 def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
@@ -387,16 +403,18 @@ def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], o
     saved bytes of layers 0 .. i and the gradient arriving at layer i (and, with gradients, beyond
     the parameter gradients made before its backward). Fed back into the cost model, they give the
     traced peak for no checkpointing; for a checkpointing plan, a recomputed layer's backward climbs
-    as high above what it holds as without checkpointing."""
+    as high above what it holds as without checkpointing. Last: the parameter gradients each layer's
+    backward made before its peak (in its climb with gradients)."""
     n = len(saved)
     if grads_at[n] is None:  # no gradient reaches the embeddings (a frozen base): layer 0's backward ends last
         grads_at[n] = tracer.grad_bytes
     arriving = list(inputs[1:]) + [output]
-    climbs, with_grads = [], []
+    climbs, with_grads, own = [], [], []
     for i in range(n):
-        peak, peak_without = tracer.position_peaks.get(("layer_backward", i), (0, 0))
+        peak, peak_without, grads = tracer.position_peaks.get(("layer_backward", i), (0, 0, 0))
         counted = sum(saved[:i + 1]) + arriving[i]
         climbs.append(peak_without - counted)
         with_grads.append(peak - counted - (grads_at[i] or 0))
+        own.append(max(grads - (grads_at[i] or 0), 0))
     made = [(grads_at[i - 1] if i else grads_at[n]) - (grads_at[i] or 0) for i in range(n)]
-    return tuple(climbs), tuple(with_grads), tuple(made), grads_at[n - 1] or 0
+    return tuple(climbs), tuple(with_grads), tuple(made), grads_at[n - 1] or 0, tuple(own)
