@@ -53,13 +53,13 @@ def step_phases(spec: ModelSpec, setup: Setup, states: ModelStates, trace, targe
     extra = batch + dequant  # in every phase but the step: the batch, and a dequantized 4-bit weight
     if setup.accum > 1:  # gradients of earlier micro-batches are live throughout; new ones are added in
         largest_grad = max(math.prod(s) for s in states.trainable_shapes) * states.grad_itemsize
-        layers, _ = layers_backward_peak(trace, segments, with_grads=False)
+        layers = layers_backward_peak(trace, segments, with_grads=False)
         live = {"forward": (grads, trace.forward_peak_without_grads + held_change + cached + copies),
                 "head backward": (grads, trace.head_backward_peak_without_grads + held_change + largest_grad + copies),
                 "layers backward": (grads, layers + largest_grad),
                 "tail backward": (grads, trace.tail_backward_peak_without_grads + largest_grad - dequant)}
     else:
-        layers, layer_grads = layers_backward_peak(trace, segments, with_grads=True)
+        layers, layer_grads = layers_backward_live(trace, segments)
         at = (trace.forward_peak_grads, trace.head_backward_peak_grads, layer_grads, trace.tail_backward_peak_grads)
         peaks = (trace.forward_peak + held_change + cached + copies, trace.head_backward_peak + held_change + copies,
                  layers, trace.tail_backward_peak - dequant)  # the tail: no 4-bit layer is left to run
@@ -96,26 +96,33 @@ def step_phases(spec: ModelSpec, setup: Setup, states: ModelStates, trace, targe
     return phases, detail
 
 
-def layers_backward_peak(trace, segments, *, with_grads: bool) -> tuple[int, int]:
-    """The peak of the decoder layers' backward under a checkpointing plan, and the parameter gradients
-    live at it (lesson 3's cost model fed with each layer's traced backward climb: a recomputed layer's
+def layers_backward_live(trace, segments) -> tuple[int, int]:
+    """The peak of the decoder layers' backward under a checkpointing plan, the gradients included, and
+    the parameter gradients live at it (`layers_backward_peak`; the trace's own with no plan)."""
+    if not segments:
+        return trace.layer_backward_peak, trace.layer_backward_peak_grads
+    cost = _layers_cost(trace, segments, with_grads=True)
+    i = cost.peak_layer
+    made = trace.head_grads + (0 if i is None else sum(trace.layer_grads[i + 1:]) + trace.layer_peak_grads[i])
+    return cost.peak_bytes, made
+
+
+def layers_backward_peak(trace, segments, *, with_grads: bool) -> int:
+    """The peak of the decoder layers' backward under a checkpointing plan (lesson 3's cost model fed with each layer's traced backward climb: a recomputed layer's
     backward needs its temporaries as much as an unchecked one's; fed them, the cost model of no plan
     gives the traced peak to the byte). The turn (head_bytes=0) is below the last layer's backward, which
     holds the same and climbs from there. With no plan the traced peak itself is taken: under activation
     offloading (lesson 7) the saved bytes are not on the device, which the cost model cannot express."""
     if not segments:
-        if with_grads:
-            return trace.layer_backward_peak, trace.layer_backward_peak_grads
-        return trace.layer_backward_peak_without_grads, 0
-    cost = checkpointing.plan_cost(
+        return trace.layer_backward_peak if with_grads else trace.layer_backward_peak_without_grads
+    return _layers_cost(trace, segments, with_grads=with_grads).peak_bytes
+
+
+def _layers_cost(trace, segments, *, with_grads: bool):
+    return checkpointing.plan_cost(
         trace.saved, trace.inputs, segments, output_bytes=trace.output, head_bytes=0,
         transient_bytes=trace.backward_climbs_with_grads if with_grads else trace.backward_climbs,
         grad_bytes=trace.layer_grads if with_grads else None, head_grad_bytes=trace.head_grads if with_grads else 0)
-    if not with_grads:
-        return cost.peak_bytes, 0
-    i = cost.peak_layer
-    made = trace.head_grads + (0 if i is None else sum(trace.layer_grads[i + 1:]) + trace.layer_peak_grads[i])
-    return cost.peak_bytes, made
 
 
 def autocast_copies(spec: ModelSpec, setup: Setup) -> int:

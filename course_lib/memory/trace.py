@@ -30,8 +30,7 @@ class _MetaTracer(LiveStorageTracker):
     excluded (`exclude`). `grad_bytes` follows the gradients stored in `.grad` (post-accumulate-grad
     hooks), so that `current - grad_bytes` is what is live besides them. Peaks are kept per phase
     and per position (the decoder layer running, or "pre"/"post": before/after them), each with the
-    gradients live at the moment it was first reached; phases are revisited, so a phase's peak is
-    never reset.
+    gradients live when it was first reached; phases are revisited, so a peak is never reset.
     """
 
     def __init__(self) -> None:
@@ -194,8 +193,7 @@ class Trace:
     # layer (what checkpointing that layer does not free before backward) and outside them
     autocast_cached: tuple[int, ...] = ()
     autocast_cached_outside: int = 0
-    # the parameter gradients live at each phase's peak (the categories of the phase that holds the
-    # plan's peak), and per decoder layer those its own backward made before its peak
+    # the gradients live at each phase's peak, and per decoder layer those its own backward made before its peak
     forward_peak_grads: int = 0
     head_backward_peak_grads: int = 0
     layer_backward_peak_grads: int = 0
