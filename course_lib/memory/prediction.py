@@ -89,7 +89,9 @@ class Plan:
         """What each phase of the step holds at its peak, by category (lesson 1, "one bar per recipe"): the
         weights, optimizer state, master weights, quantization and overhead throughout, then the phase's
         own gradients, activations and optimizer temporaries (`detail["phases"]`; the backward: the
-        largest of its parts). With --params only, the optimizer step alone."""
+        largest of its parts). With --params only, the optimizer step alone; one GPU only."""
+        if self.setup.gpus is not None:
+            raise PlanError("by_phase() plans one GPU; a plan with --gpus names its peak phase in detail (lesson 6)")
         steady = {c: self.bytes[c] for c in ("weights", "quantization", "optimizer_state", "master_weights", "overhead")}
         phases = self.detail["phases"]
         out = {}
@@ -249,8 +251,8 @@ def _over_all_gradients(phases: dict, gradients: int) -> dict[str, int]:
 
 
 def _phase_line(phases: dict) -> str:
-    """Each phase's peak over the weights and states (lesson 1), e.g. 'forward 2.10 GiB, ...'."""
-    return "each phase's peak over the weights and optimizer state: " + ", ".join(
+    """Each phase's peak over the weights, optimizer state, master weights and quantization (lesson 1)."""
+    return "each phase's peak over the weights and states: " + ", ".join(
         f"{phase} {format_bytes(sum(parts.values()))}" for phase, parts in phases.items())
 
 
