@@ -33,8 +33,9 @@ CATEGORY_COLORS = {"weights": "#4c72b0", "quantization": "#8172b3", "optimizer_s
 
 def plot_recipe_phases(plans: dict, gpus: Sequence = (), title: str | None = None):
     """For each planned recipe, a bar per phase of the step (end of forward, backward, optimizer step)
-    stacked by what is live then; the phase that holds the predicted peak is outlined and starred, and
-    each GPU's memory is a line (lesson 1, "one bar per recipe"). `gpus`: GPU objects (name, memory_bytes)."""
+    stacked by what is live then (`Plan.by_phase`); the phase that holds the predicted peak is outlined and
+    starred, and each GPU's memory is a line (lesson 1, "one bar per recipe, one bar per phase"). `gpus`:
+    GPU objects (name, memory_bytes)."""
     fig, ax = plt.subplots(figsize=(10, 4.8))
     width, gap = 0.28, 0.25
     ticks = []

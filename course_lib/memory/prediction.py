@@ -86,9 +86,9 @@ class Plan:
         }
 
     def by_phase(self) -> dict[str, dict[str, int]]:
-        """What each phase of the step holds at its peak, by category (lesson 1, "one bar per recipe"): the
-        weights, optimizer state, master weights, quantization and overhead throughout, then the phase's
-        own gradients, activations and optimizer temporaries (`detail["phases"]`; the backward: the
+        """What each phase of the step holds at its peak, by category (lesson 1, "one bar per recipe, one
+        bar per phase"): the weights, optimizer state, master weights, quantization and overhead
+        throughout, then the phase's own gradients, activations and optimizer temporaries (`detail["phases"]`; the backward: the
         largest of its parts). With --params only, the optimizer step alone; one GPU only."""
         if self.setup.gpus is not None:
             raise PlanError("by_phase() plans one GPU; a plan with --gpus names its peak phase in detail (lesson 6)")
