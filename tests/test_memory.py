@@ -525,3 +525,14 @@ def test_amp_setups_the_planner_does_not_model_are_refused(options, message):
         plan("gpt2", **options)
     with pytest.raises(PlanError, match="no bf16 hardware: use amp-fp16"):
         plan(1000, precision="amp-bf16", gpu="t4")
+
+
+@pytest.mark.parametrize("precision, per_param", [("mixed-bf16-fp32grads", (2, 4, 8, 4)),
+                                                  ("mixed-fp16-fp32grads", (2, 6, 8, 4))])
+def test_megatrons_main_gradient_recipes_are_its_18_and_20_bytes(precision, per_param):
+    """Megatron Core's distributed-optimizer table, non-distributed: bf16 + fp32 grads 18, fp16 20 (lesson 1)."""
+    b = plan(1000, precision=precision).bytes
+    assert tuple(b[c] / 1000 for c in ("weights", "gradients", "optimizer_state", "master_weights")) == per_param
+    with pytest.raises(PlanError, match="one GPU") as error:
+        plan(1000, precision=precision, gpus=2)
+    assert "\n" not in str(error.value)
