@@ -133,9 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", nargs="?", metavar="MODEL_OR_CONFIG",
                       help="a bundled model (e.g. llama-3.1-8b), a config.json or its folder; or use --params")
     plan.add_argument("--params", help="a raw parameter count, e.g. 7e9 (activations are then unknown)")
-    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "amp-bf16", "amp-fp16"),
+    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "mixed-bf16-fp32grads",
+                                              "mixed-fp16-fp32grads", "amp-bf16", "amp-fp16"),
                       help="bf16/fp16: pure 16-bit; mixed-*: 16-bit weights and gradients with an fp32 master copy "
-                           "(ZeRO/Megatron); amp-*: the Trainer's bf16=True/fp16=True, fp32 weights and gradients "
+                           "(ZeRO/Megatron); mixed-*-fp32grads: Megatron's fp32 main gradients too (18 and 20 bytes "
+                           "a parameter with Adam); amp-*: the Trainer's bf16=True/fp16=True, fp32 weights and gradients "
                            "with torch.autocast. Default with --gpu: amp-bf16 (amp-fp16 on a GPU without bf16), "
                            "the Trainer's; without --gpu or with --gpus: mixed-bf16 (mixed-fp16); the base's dtype "
                            "for --quant")

@@ -13,12 +13,57 @@ from typing import TYPE_CHECKING
 import matplotlib.pyplot as plt
 
 from course_lib.measure import PHASES, MiB
+from course_lib.memory.prediction import STEP_PHASES
 from course_lib.paging import TOUCH_CATEGORIES
 
 if TYPE_CHECKING:
     from course_lib.accumulation import CostRow
     from course_lib.paging.timeline import TimelineEntry
     from course_lib.paging import SimulationResult, Touch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lesson 1: the planner
+# ---------------------------------------------------------------------------------------------------
+
+CATEGORY_COLORS = {"weights": "#4c72b0", "quantization": "#8172b3", "optimizer_state": "#55a868",
+                   "master_weights": "#c44e52", "gradients": "#dd8452", "activations": "#937860",
+                   "optimizer_temporaries": "#da8bc3", "overhead": "#999999"}
+
+
+def plot_recipe_phases(plans: dict, gpus: Sequence = (), title: str | None = None):
+    """For each planned recipe, a bar per phase of the step (end of forward, backward, optimizer step)
+    stacked by what is live then (`Plan.by_phase`); the phase that holds the predicted peak is outlined and
+    starred, and each GPU's memory is a line (lesson 1, "one bar per recipe, one bar per phase"). `gpus`:
+    GPU objects (name, memory_bytes)."""
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    width, gap = 0.28, 0.25
+    ticks = []
+    for i, (label, plan) in enumerate(plans.items()):
+        phases = plan.by_phase()
+        peak_bar = max(phases, key=lambda bar: sum(phases[bar].values()))
+        left = i * (len(STEP_PHASES) * width + gap)
+        ticks.append(left + width)
+        for j, (bar, live) in enumerate(phases.items()):
+            bottom = 0.0
+            for category, color in CATEGORY_COLORS.items():
+                value = live.get(category, 0) / 2**30
+                ax.bar(left + j * width, value, width, bottom=bottom, color=color,
+                       label=category.replace("_", " ") if i == j == 0 else None)
+                bottom += value
+            if bar == peak_bar:
+                ax.bar(left + j * width, bottom, width, fill=False, edgecolor="black", linewidth=1.5)
+                ax.text(left + j * width, bottom, "*", ha="center", va="bottom", fontsize=14)
+    for gpu, style in zip(gpus, ("--", ":")):
+        ax.axhline(gpu.memory_bytes / 2**30, color="black", linestyle=style, linewidth=1, label=gpu.name)
+    ax.set_xticks(ticks, list(plans), rotation=15, fontsize=8)
+    ax.set_ylabel("predicted memory (GiB)")
+    ax.set_xlabel("each recipe: end of forward | backward | optimizer step (* outlined: the peak)")
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------------

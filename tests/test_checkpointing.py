@@ -228,3 +228,17 @@ def test_a_budget_below_the_minimum_is_refused_naming_the_minimum():
 
 def test_a_generous_budget_needs_no_checkpointing():
     assert optimal_plan([8] * 9, [1] * 9, 10**9) == []
+
+
+def test_plan_cost_names_the_layer_whose_backward_holds_the_peak():
+    """The planner splits a backward peak into gradients and activations at that layer (lesson 1)."""
+    saved, inputs = [10, 10, 10, 10], [1, 1, 1, 1]
+    # large parameter gradients: the first layer's backward, when all the others' are made, is the peak
+    late = plan_cost(saved, inputs, [(0, 4)], grad_bytes=[50, 50, 50, 50])
+    assert late.peak_layer == 0 and "layer" in late.peak_where
+    # a large head: the turn from forward to backward is the peak, no layer's backward
+    turn = plan_cost(saved, inputs, [], head_bytes=1000)
+    assert turn.peak_layer is None and "turn" in turn.peak_where
+    # the last layer's backward climbing above the turn (everything is still held then)
+    last = plan_cost(saved, inputs, [], transient_bytes=[0, 0, 0, 5])
+    assert last.peak_layer == 3, last

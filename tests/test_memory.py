@@ -165,9 +165,20 @@ def test_peak_matches_a_measured_step_within_2_percent(checkpointing, precision)
     setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
     _, measured, predicted = _tiny_llama_step(setup)
     assert predicted.bytes["weights"] == measured.parameters
-    assert predicted.bytes["gradients"] == measured.gradients
+    assert predicted.detail["all_gradients"] == measured.gradients
     assert predicted.bytes["optimizer_state"] == measured.optimizer_state
     assert abs(predicted.total - measured.peak) <= 0.02 * measured.peak
+    _assert_phases_match(predicted, measured)
+
+
+def _assert_phases_match(predicted, measured):
+    """Each phase's planned peak (the categories live then, `plots.phase_bytes`) is the measured phase's,
+    and the plan's categories are those of the phase that holds its peak."""
+    planned = {name: sum(live.values()) for name, live in predicted.by_phase().items()}
+    for name, phase in (("end of forward", "forward"), ("backward", "backward"), ("optimizer step", "optimizer")):
+        assert abs(planned[name] - measured.phase_peaks[phase]) <= 0.02 * measured.peak, (name, planned, measured)
+    assert predicted.total == max(planned.values())
+    assert sum(predicted.bytes[c] for c in predicted.bytes if c != "total") == predicted.total
 
 
 def test_peft_lora_dropout_is_planned_within_2_percent_of_the_measured_step():
@@ -256,7 +267,8 @@ def test_accumulation_keeps_gradients_alive_during_the_forward():
 def test_lora_trains_few_parameters_and_qlora_stores_half_a_byte():
     lora = plan("llama-3.2-1b", precision="bf16", lora_rank=16, batch=1, seq=256)
     assert lora.trainable_params < 0.02 * lora.n_params
-    assert lora.bytes["gradients"] == 4 * lora.trainable_params  # fp32 adapters
+    assert lora.detail["all_gradients"] == 4 * lora.trainable_params  # fp32 adapters
+    assert lora.bytes["gradients"] == 0 and lora.detail["peak_phase"] == "head backward"  # its peak, in the head's backward, comes before any adapter's gradient
     qlora = plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4-dq", batch=1, seq=256)
     assert qlora.bytes["weights"] < 0.6 * lora.bytes["weights"]
     assert 0 < qlora.bytes["quantization"] < plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4",
@@ -493,7 +505,7 @@ def test_amp_plan_matches_a_measured_autocast_step_within_2_percent(precision, c
     setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
     _, measured, predicted = _tiny_llama_step(setup)
     assert predicted.bytes["weights"] == measured.parameters == 4 * predicted.n_params
-    assert predicted.bytes["gradients"] == measured.gradients
+    assert predicted.detail["all_gradients"] == measured.gradients
     assert predicted.bytes["optimizer_state"] == measured.optimizer_state
     assert abs(predicted.total - measured.peak) <= 0.02 * measured.peak, (predicted.total, measured.peak)
     # the forward, where autocast's cache holds a copy of every weight (checkpointing or not), on its own
@@ -513,3 +525,14 @@ def test_amp_setups_the_planner_does_not_model_are_refused(options, message):
         plan("gpt2", **options)
     with pytest.raises(PlanError, match="no bf16 hardware: use amp-fp16"):
         plan(1000, precision="amp-bf16", gpu="t4")
+
+
+@pytest.mark.parametrize("precision, per_param", [("mixed-bf16-fp32grads", (2, 4, 8, 4)),
+                                                  ("mixed-fp16-fp32grads", (2, 6, 8, 4))])
+def test_megatrons_main_gradient_recipes_are_its_18_and_20_bytes(precision, per_param):
+    """Megatron Core's distributed-optimizer table, non-distributed: bf16 + fp32 grads 18, fp16 20 (lesson 1)."""
+    b = plan(1000, precision=precision).bytes
+    assert tuple(b[c] / 1000 for c in ("weights", "gradients", "optimizer_state", "master_weights")) == per_param
+    with pytest.raises(PlanError, match="one GPU") as error:
+        plan(1000, precision=precision, gpus=2)
+    assert "\n" not in str(error.value)

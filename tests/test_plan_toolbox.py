@@ -72,7 +72,7 @@ def test_predictions_match_a_measured_cpu_step(fields):
     setup = Setup(**{"precision": "fp32", "batch": 2, "seq": 128, **fields})
     measured, predicted, state = _measured_and_predicted(setup)
     assert predicted.bytes["optimizer_state"] == state
-    assert predicted.bytes["gradients"] == measured.gradients
+    assert predicted.detail["all_gradients"] == measured.gradients
     assert abs(predicted.total - measured.peak) <= 0.001 * measured.peak, (predicted.total, measured.peak)
 
 
@@ -82,7 +82,7 @@ def test_the_step_in_backward_is_refused_under_fp16_in_one_line(precision):
     with pytest.raises(PlanError, match="GradScaler") as error:
         plan("llama-3.2-1b", Setup(precision=precision, optimizer_in_backward=True))
     assert "\n" not in str(error.value)
-    assert plan("llama-3.2-1b", Setup(precision="mixed-bf16", optimizer_in_backward=True)).bytes["gradients"] == 0
+    assert plan("llama-3.2-1b", Setup(precision="mixed-bf16", optimizer_in_backward=True)).detail["all_gradients"] == 0
 
 
 def test_the_step_in_backward_under_ddp_names_the_unaveraged_gradient():

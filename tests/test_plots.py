@@ -87,3 +87,25 @@ def test_sharding_bars_stack_to_each_peak_with_the_legend_clear_of_the_axes():
     fig.canvas.draw()
     legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
     assert legend.y1 <= axes.y0, "the legend hides bars and markers when it is drawn inside the axes"
+
+
+def test_recipe_phases_stack_each_phase_to_what_is_live_then_and_outline_the_peak():
+    from course_lib.memory import plan
+
+    plans = {"one micro-batch": plan("gpt2", precision="fp32", batch=1, seq=64, suggest=False),
+             "accumulating": plan("gpt2", precision="fp32", batch=1, seq=64, accum=2, suggest=False)}
+    fig = plots.plot_recipe_phases(plans, title="test")
+    ax = fig.axes[0]
+    assert "(GiB)" in ax.get_ylabel()
+    stacked: dict[float, float] = {}
+    for patch in ax.patches:
+        if patch.get_fill():
+            x = round(patch.get_x(), 6)
+            stacked[x] = stacked.get(x, 0.0) + patch.get_height()
+    expected = [sum(live.values()) / 2**30 for p in plans.values() for live in p.by_phase().values()]
+    assert [stacked[x] for x in sorted(stacked)] == pytest.approx(expected)
+    outlined = [patch.get_height() for patch in ax.patches if not patch.get_fill()]
+    assert outlined == pytest.approx([p.total / 2**30 for p in plans.values()])
+    # no gradient exists at the end of the first micro-batch's forward; under accumulation all of them do
+    single, accumulating = (p.by_phase()["end of forward"]["gradients"] for p in plans.values())
+    assert single == 0 and accumulating == plans["accumulating"].detail["all_gradients"] > 0

@@ -123,6 +123,6 @@ def test_peft_adapter_dtype_is_planned_within_2_percent_of_the_measured_step():
         setup = Setup(precision="bf16", lora_rank=8, autocast_adapter_dtype=autocast, batch=2, seq=96)
         predicted = plan(spec_from_model(build_model(config), "tiny-llama", config), setup)
         assert abs(predicted.total - measured) <= 0.02 * measured, (autocast, predicted.total, measured)
-        assert predicted.bytes["gradients"] == (4 if autocast else 2) * predicted.trainable_params
+        assert predicted.detail["all_gradients"] == (4 if autocast else 2) * predicted.trainable_params
         peaks[autocast] = measured
     assert peaks[False] < peaks[True]

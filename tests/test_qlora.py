@@ -158,7 +158,7 @@ def test_rows_that_cannot_run_on_the_gpu_say_why(config, monkeypatch):
     skipped = qlora.measure_recipe(config, qlora.Recipe(), "cuda", gpu=tiny, policy=T4)
     assert skipped.status == "predicted not to fit" and skipped.measured_peak is None and skipped.error is None
 
-    def out_of_memory(*args):
+    def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(qlora.measuring, "_measure", out_of_memory)

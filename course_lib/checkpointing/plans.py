@@ -116,7 +116,8 @@ class PlanCost:
     optimizer state come on top; parameter gradients are included only when `grad_bytes` was given).
     `forward_bytes`: what the stack holds at the end of the forward pass (its output included).
     `recompute_fraction`: extra forward compute, as a fraction of one forward of the stack (0 for no
-    checkpointing, 1.0 when every layer is in a segment). `peak_where`: the moment of the peak.
+    checkpointing, 1.0 when every layer is in a segment). `peak_where`: the moment of the peak;
+    `peak_layer`: the layer whose backward holds it (None: the turn from forward to backward).
     """
 
     peak_bytes: int
@@ -124,6 +125,7 @@ class PlanCost:
     forward_bytes: int
     peak_where: str = ""
     plan: tuple[tuple[int, int], ...] = ()
+    peak_layer: int | None = None
 
 
 def _as_sizes(values: Sequence[int] | None, name: str, n: int, default: int = 0) -> list[int]:
@@ -244,14 +246,16 @@ def plan_cost(saved_bytes: Sequence[int], input_bytes: Sequence[int], plan, *,
     holds = [model.hold(a, checked) for a, _, checked in units]
     forward = sum(holds) + model.out
     peak, where = sum(holds) + model.turn, "at the turn from forward to backward (the head and loss)"
-    before = sum(holds)
+    before, layer = sum(holds), None
     for (a, b, checked), hold in reversed(list(zip(units, holds))):
         before -= hold
         moment = before + model.unit_peak(a, b, checked)
         if moment > peak:
             what = f"layers {a}..{b - 1}" if b - a > 1 else f"layer {a}"
             peak, where = moment, f"in the backward of {what}" + (" (recomputed)" if checked else "")
+            # the unit's first layer whose backward reaches the unit's peak
+            layer = next(end - 1 for end, top in model.backward_peaks(a, checked) if before + top == moment)
     recompute = sum(sum(model.costs[a:b]) for a, b in segments)
     return PlanCost(peak_bytes=int(peak),
                     recompute_fraction=recompute / model.total_cost if model.total_cost else 0.0,
-                    forward_bytes=int(forward), peak_where=where, plan=tuple(segments))
+                    forward_bytes=int(forward), peak_where=where, plan=tuple(segments), peak_layer=layer)

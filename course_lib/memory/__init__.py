@@ -18,11 +18,14 @@ lesson 3 share one source of truth. `benchmarks/planner_accuracy.py` checks the 
 real training steps measured by `course_lib.measure`.
 
 The package, a module per job: `setup` (what is asked), `states` (model states, exact), `trace` (the
-meta-device step), `autocast` (torch.autocast on the meta device, for the amp precisions), `compose` (the fast path; `course_lib.cache` keeps traces on disk), `activations`
-(the step over the model states), `sharded` (one rank's share, lesson 6), `fsdp` (FSDP2's and FSDP1's phases, FSDP + QLoRA, lesson 6), `moe` (MoE models' 3-D experts), `toolbox` (lesson 7's
-tricks), `gpus` (the catalog and the fit verdict), `reserved` (the caching allocator's reserve, the
-cuBLAS workspaces and the OOM line on a GPU), `prediction` (one setup's plan and its notes),
-`fit` (what makes it fit), `planner` (`plan` and `plan_from_cli`, the entry points).
+meta-device step), `meta_kernels` (attention, dropout and experts on meta as on the target), `autocast`
+(torch.autocast on the meta device, for the amp precisions), `compose` (the fast path;
+`course_lib.cache` keeps traces on disk), `activations` (the step's phases over the model states),
+`sharded` (one rank's share, lesson 6), `fsdp` (FSDP2's and FSDP1's phases, FSDP + QLoRA, lesson 6),
+`moe` (MoE models' 3-D experts), `toolbox` (lesson 7's tricks), `gpus` (the catalog and the fit
+verdict), `reserved` (the caching allocator's reserve, the cuBLAS workspaces and the OOM line on a
+GPU), `prediction` (one setup's plan and its notes), `fit` (what makes it fit), `planner` (`plan` and
+`plan_from_cli`, the entry points).
 """
 
 from course_lib.memory.activations import korthikanti_bytes

@@ -5,7 +5,7 @@ Tracing every layer of a 70B model takes seconds; its layers repeat. A copy of t
 one with 4p layers (p: the period of the layer types, 2 for Gemma-2's alternating sliding and global
 attention, else 1) hold every kind of position a deep model has: the first period, the first and last
 periods of the middle, the last period, and what runs before and after the layers. Every quantity of
-the trace (each peak at each position, the gradients) grows by the same amount from one period more:
+the trace (each peak at each position, the gradients live at it) grows by the same amount from one period more:
 the deep model's value is the shallow one's plus that step times the periods added. The middle
 periods in between lie on the same line, so a peak over them is at one of its two ends.
 `tests/test_trace_compose.py` checks the result against a full trace, byte for byte, for every
@@ -21,7 +21,8 @@ from course_lib.models import ModelSpec, transformers_config
 
 MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
 # the trace's per-layer tuples (periodic) and the quantities that do not depend on the depth
-PER_LAYER = ("saved", "inputs", "backward_climbs", "backward_climbs_with_grads", "layer_grads", "autocast_cached")
+PER_LAYER = ("saved", "inputs", "backward_climbs", "backward_climbs_with_grads", "layer_grads", "autocast_cached",
+             "layer_peak_grads")
 CONSTANT = ("output", "saved_outside", "dequant_transient", "kept_outputs", "head_grads", "autocast_cached_outside")
 LINEAR = ("gradients", "offloaded")  # totals that grow by the same step with every period
 # what the caching allocator reserves beyond the peak (memory.reserved) does not grow linearly with the
@@ -70,8 +71,8 @@ def _classes(index, n_layers: int, period: int) -> list[tuple[str, int | str]]:
     return found
 
 
-def _by_class(trace, n_layers: int, period: int) -> dict[tuple, tuple[int, int]]:
-    values: dict[tuple, tuple[int, int]] = {}
+def _by_class(trace, n_layers: int, period: int) -> dict[tuple, tuple[int, int, int]]:
+    values: dict[tuple, tuple[int, int, int]] = {}
     for (phase, index), peaks in trace.by_position.items():
         for cls in _classes(index, n_layers, period):
             values[(phase, *cls)] = peaks
@@ -118,23 +119,25 @@ def _composed(spec: ModelSpec, setup, target: str, trace: Callable, n: int, peri
     class_a, class_b = _by_class(a, small, period), _by_class(b, large, period)
     if set(class_a) != set(class_b):
         return None
-    peaks: dict[str, list[int]] = {}
-    for key, (with_a, without_a) in class_a.items():
-        with_b, without_b = class_b[key]
-        best = peaks.setdefault(key[0], [0, 0])
-        best[0] = max(best[0], with_a + (with_b - with_a) * steps)
-        best[1] = max(best[1], without_a + (without_b - without_a) * steps)
+    peaks: dict[str, list[int]] = {}  # phase -> [peak, peak without gradients, gradients at the peak]
+    for key, values_a in class_a.items():
+        with_, without, grads = (a + (b - a) * steps for a, b in zip(values_a, class_b[key]))
+        best = peaks.setdefault(key[0], [0, 0, 0])
+        if with_ > best[0]:
+            best[0], best[2] = with_, grads
+        best[1] = max(best[1], without)
 
-    def peak(phase: str, without_grads: bool) -> int:
-        return peaks.get(phase, [0, 0])[without_grads]
+    def peak(phase: str, which: int) -> int:
+        return peaks.get(phase, [0, 0, 0])[which]
 
     return type(a)(  # a Trace (memory.trace), as `trace` makes them
-        forward_peak=peak("forward", False), head_backward_peak=peak("head_backward", False),
-        layer_backward_peak=peak("layer_backward", False), tail_backward_peak=peak("tail_backward", False),
-        forward_peak_without_grads=peak("forward", True),
-        head_backward_peak_without_grads=peak("head_backward", True),
-        layer_backward_peak_without_grads=peak("layer_backward", True),
-        tail_backward_peak_without_grads=peak("tail_backward", True),
+        forward_peak=peak("forward", 0), head_backward_peak=peak("head_backward", 0),
+        layer_backward_peak=peak("layer_backward", 0), tail_backward_peak=peak("tail_backward", 0),
+        forward_peak_without_grads=peak("forward", 1), head_backward_peak_without_grads=peak("head_backward", 1),
+        layer_backward_peak_without_grads=peak("layer_backward", 1),
+        tail_backward_peak_without_grads=peak("tail_backward", 1), forward_peak_grads=peak("forward", 2),
+        head_backward_peak_grads=peak("head_backward", 2), layer_backward_peak_grads=peak("layer_backward", 2),
+        tail_backward_peak_grads=peak("tail_backward", 2),
         **per_layer, **{name: getattr(a, name) + (getattr(b, name) - getattr(a, name)) * steps for name in LINEAR},
         **{name: max(getattr(a, name), getattr(b, name)) for name in APPROXIMATE},
         **{name: getattr(a, name) for name in CONSTANT})

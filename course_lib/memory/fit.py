@@ -33,7 +33,7 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup, bool]]:
     if setup.optimizer in ("adamw", "adamw_fused", "paged_adamw32bit"):
         lossy.append(("8-bit AdamW (bitsandbytes)", replace(setup, optimizer="adamw8bit")))
     if not setup.lora_rank:
-        precision = setup.precision.split("-")[-1]  # the 16-bit dtype of mixed-* and amp-*
+        precision = setup.compute_name  # the 16-bit dtype of mixed-* and amp-*
         if precision == "bf16" and not card.bf16:
             precision = "fp16"
         lossy.append((f"LoRA r={DEFAULT_LORA_RANK} on all linear layers, frozen {precision} base",
@@ -50,7 +50,7 @@ def _with(setup: Setup, changes: list[dict]) -> Setup:
     for change in changes:
         setup = replace(setup, **change)
     if setup.quant != "none" and setup.precision.startswith(("mixed", "amp")):
-        setup = replace(setup, precision=setup.precision.split("-")[-1])
+        setup = replace(setup, precision=setup.compute_name)
     return setup.validate()
 
 

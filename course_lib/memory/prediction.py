@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from course_lib.course import wrapped
 from course_lib.measure import GiB, format_bytes
-from course_lib.memory.activations import step_extra
+from course_lib.memory.activations import step_phases
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, fit_verdict
 from course_lib.memory.reserved import Reserved, reserved_prediction
 from course_lib.memory.setup import CATEGORIES, PlanError, Setup
@@ -18,6 +18,11 @@ from course_lib.memory.states import model_states, target_match
 from course_lib.memory.toolbox import toolbox_notes
 from course_lib.memory.trace import trace_step
 from course_lib.models import config_class_name, model_spec, ModelSpec, supported_attention
+
+
+# the phases a chart draws (lesson 1), from those the planner computes (memory.activations.PHASES)
+STEP_PHASES = {"end of forward": ("forward",), "backward": ("head backward", "layers backward", "tail backward"),
+               "optimizer step": ("optimizer step",)}
 
 
 @dataclass
@@ -36,9 +41,12 @@ class Trick:
 class Plan:
     """Predicted memory of one training step, by category, in bytes (lesson 1).
 
-    `bytes["total"]` is the predicted peak: the model states plus the most that the step
-    (activations, temporaries of the backward pass and of the optimizer step) adds on top of them,
-    plus the CUDA context on a GPU target. `activations_known` is False for a raw parameter count.
+    `bytes["total"]` is the predicted peak, plus the CUDA context on a GPU target; the categories are
+    what is live in the phase of the step that holds it (`detail["peak_phase"]`, each phase's in
+    `detail["phases"]`): the weights, optimizer state, master weights and quantization metadata, the
+    gradients made by then (`detail["all_gradients"]`: all of them), the activations (what is saved for
+    backward, the forward's or backward's transients, the batch) and the optimizer step's temporaries.
+    With --gpus, `memory.sharded` says what they are. `activations_known` is False for a raw parameter count.
     """
 
     model: str
@@ -86,6 +94,22 @@ class Plan:
             "closing": self.closing, "notes": list(self.notes),
             "reserved": None if self.oom_line is None else self.oom_line.to_dict(),
         }
+
+    def by_phase(self) -> dict[str, dict[str, int]]:
+        """What each phase of the step holds at its peak, by category (lesson 1, "one bar per recipe, one
+        bar per phase"): the weights, optimizer state, master weights, quantization and overhead
+        throughout, then the phase's own gradients, activations and optimizer temporaries (`detail["phases"]`; the backward: the
+        largest of its parts). With --params only, the optimizer step alone; one GPU only."""
+        if self.setup.gpus is not None:
+            raise PlanError("by_phase() plans one GPU; a plan with --gpus names its peak phase in detail (lesson 6)")
+        steady = {c: self.bytes[c] for c in ("weights", "quantization", "optimizer_state", "master_weights", "overhead")}
+        phases = self.detail["phases"]
+        out = {}
+        for bar, parts in STEP_PHASES.items():
+            found = [phases[part] for part in parts if part in phases]
+            if found:
+                out[bar] = {**steady, **max(found, key=lambda live: sum(live.values()))}
+        return out
 
     def rows(self) -> list[tuple[str, int]]:
         """(category, bytes); `sharding_buffers` (before the total) only in a plan with --gpus (lesson 6)."""
@@ -147,7 +171,7 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
     spec, n_params, name = _resolve(model)
     warned = _check_setup_for(spec, name, setup)
     cuda = card is not None
-    if setup.precision in ("bf16", "mixed-bf16", "amp-bf16") and card is not None and not card.bf16:
+    if setup.compute_name == "bf16" and card is not None and not card.bf16:
         raise PlanError(f"{card.name} (compute capability {card.compute_capability[0]}."
                         f"{card.compute_capability[1]}) has no bf16 hardware: use "
                         + ("amp-fp16" if setup.autocast_dtype is not None else "fp16 or mixed-fp16"))
@@ -158,19 +182,16 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
     states = model_states(spec, setup, n_params, cuda=cuda)
     if setup.optimizer_in_backward:  # lesson 7: each gradient is freed in backward, right after its update
         states = replace(states, gradients=0)
-    base = states.weights + states.optimizer_state + states.master_weights + states.quantization
     notes: list[str] = warned
-    detail: dict[str, int | float | str] = {}
-    temporaries = 0
+    detail: dict = {}
+    # with only a parameter count: the step holds the model states and nothing else known
+    phases = {"optimizer step": {"gradients": states.gradients, "activations": 0, "optimizer_temporaries": 0}}
     trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
     if spec is None:
-        extra = 0
         notes.append("activations unknown: only a parameter count was given (name a model or a config.json "
                      "for activations and the optimizer step's temporaries)")
     else:
-        extra, detail = step_extra(spec, setup, states, trace, "cuda" if cuda else "cpu")
-        temporaries = detail.pop("optimizer_temporaries_over_activations")
-        extra -= temporaries
+        phases, detail = step_phases(spec, setup, states, trace, "cuda" if cuda else "cpu")
         if detail["autocast_copies"]:
             notes.append(f"{setup.precision} autocast re-casts the fp32 frozen weights that prepare_model_for_kbit_training "
                          f"made (the output layer) at every call: {format_bytes(detail['autocast_copies'])} of 16-bit "
@@ -187,10 +208,15 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
             notes.append(f"checkpointing {setup.checkpointing}: recomputes {detail['recompute_fraction']:.0%} "
                          "of one forward of the layers (lesson 3's cost model)")
     overhead = CUDA_CONTEXT_BYTES if cuda else 0
-    total = base + states.gradients + extra + temporaries + overhead
-    values = {"weights": states.weights, "gradients": states.gradients, "optimizer_state": states.optimizer_state,
-              "master_weights": states.master_weights, "quantization": states.quantization,
-              "activations": extra, "optimizer_temporaries": temporaries, "overhead": overhead, "total": total}
+    peak_phase = max(phases, key=lambda phase: sum(phases[phase].values()))  # the first of equal peaks
+    detail.update(phases=phases, all_gradients=states.gradients)
+    if setup.gpus is None:
+        detail["peak_phase"] = peak_phase
+    live = phases[peak_phase] if setup.gpus is None else _over_all_gradients(phases, states.gradients)
+    values = {"weights": states.weights, **live, "optimizer_state": states.optimizer_state,
+              "master_weights": states.master_weights, "quantization": states.quantization, "overhead": overhead}
+    values = {category: values[category] for category in CATEGORIES if category != "total"}
+    values["total"] = sum(values.values())
     if cuda:
         notes.append(f"overhead: CUDA context and libraries, about {format_bytes(CUDA_CONTEXT_BYTES)} "
                      "(300 to 700 MB, docs/references.md#pytorch-issue-28113-memory-used-when-cuda-starts), "
@@ -198,12 +224,17 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
     if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None:  # one GPU: all of sqrt(v)
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
-                     f"(optimizer_temporaries: what it adds over the activations' peak); "
+                     "(in optimizer_temporaries when the step holds the peak); "
                      "--optimizer adamw_fused (fused=True, the Trainer's adamw_torch_fused) avoids it")
     if spec is not None:
         notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
                      "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
                      "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")
+    if setup.fp32_main_grads:
+        notes.append(f"{setup.precision}: Megatron Core's main gradients (docs/references.md#megatron-core-docs-"
+                     "distributed-optimizer): the backward's gradients are added into fp32 ones"
+                     + (", kept beside the fp16 gradients (gradients: 2 + 4 bytes a parameter)"
+                        if setup.compute_name == "fp16" else ", the only ones kept (4 bytes a parameter)"))
     if setup.optimizer.startswith("paged"):
         notes.append("paged optimizer: same bytes; under memory pressure the driver moves its state to CPU RAM "
                      "(lesson 4), at a cost in time")
@@ -219,9 +250,28 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
                                                            detail.get("optimizer_step_temporaries", 0), cuda)
         detail.update(shard_detail)
         notes += shard_notes
+    if spec is not None and setup.gpus is None:
+        notes.append(f"the peak is the {peak_phase}'s: the categories are what is live then (gradients: those made "
+                     f"so far; activations: saved for backward, the transients and the batch); "
+                     f"{_phase_line(phases)}")
     oom_line = reserved_prediction(spec, setup, states, values, trace, card) if cuda else None
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes,
                 oom_line=oom_line)
+
+
+def _over_all_gradients(phases: dict, gradients: int) -> dict[str, int]:
+    """The step's categories as the sharded plans start from them (`memory.sharded`; lesson 6): all the
+    gradients, then what the forward and backward rise above them ("activations"), then what the
+    optimizer step rises above both ("optimizer_temporaries")."""
+    step = sum(phases["optimizer step"].values())
+    rest = max([gradients] + [sum(parts.values()) for phase, parts in phases.items() if phase != "optimizer step"])
+    return {"gradients": gradients, "activations": rest - gradients, "optimizer_temporaries": max(0, step - rest)}
+
+
+def _phase_line(phases: dict) -> str:
+    """Each phase's peak over the weights, optimizer state, master weights and quantization (lesson 1)."""
+    return "each phase's peak over the weights and states: " + ", ".join(
+        f"{phase} {format_bytes(sum(parts.values()))}" for phase, parts in phases.items())
 
 
 SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop", "chunked_loss", "offload_activations",

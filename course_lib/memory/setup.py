@@ -8,7 +8,8 @@ import torch
 
 from course_lib import checkpointing
 
-PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "amp-bf16", "amp-fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "mixed-bf16-fp32grads", "mixed-fp16-fp32grads",
+              "amp-bf16", "amp-fp16")
 OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit",
               "adafactor", "lion")
 QUANTS = ("none", "nf4", "nf4-dq")
@@ -38,6 +39,10 @@ class Setup:
     precision: "fp32"; "bf16"/"fp16" (pure: weights, gradients and torch optimizer state in 16 bits);
     "mixed-bf16"/"mixed-fp16": the master-copy recipe (ZeRO's and Megatron's): 16-bit weights and
     gradients, fp32 master weights and optimizer state (2 + 2 + 4 + 8 bytes a parameter with AdamW);
+    "mixed-bf16-fp32grads"/"mixed-fp16-fp32grads": Megatron Core's two 16-bit rows (its distributed-optimizer
+    table, non-distributed: 18 and 20 bytes a parameter with Adam): the backward accumulates the gradients
+    into fp32 main gradients, the only gradients kept beside bf16 weights (2 + 4 + 4 + 8) and a copy beside
+    the fp16 ones under fp16 (2 + 2 + 4 + 4 + 8); one GPU only;
     "amp-bf16"/"amp-fp16": the Trainer's mixed precision (bf16=True / fp16=True, torch.autocast; lesson 5's
     T4 recipe): fp32 weights, gradients and optimizer state, and autocast's 16-bit copies of the weights,
     cached through the forward and saved for backward (`course_lib.memory.autocast`).
@@ -132,6 +137,9 @@ class Setup:
             raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base is planned in its "
                             f"compute dtype; use --precision {self.precision.split('-')[1]}")
 
+        if self.fp32_main_grads and (self.gpus is not None or self.optimizer_in_backward):
+            raise PlanError(f"--precision {self.precision} (Megatron Core's main gradients) is planned on one GPU "
+                            "with the step after backward: no --gpus, no optimizer_in_backward")
         _validate_sharding(self)
         try:
             checkpointing.named_plan(4, self.checkpointing)
@@ -143,7 +151,19 @@ class Setup:
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype of the model's weights as stored on the device (the compute dtype for QLoRA)."""
-        return torch.float32 if self.autocast_dtype is not None else _DTYPES[self.precision.split("-")[-1]]
+        return torch.float32 if self.autocast_dtype is not None \
+            else _DTYPES[self.precision.split("-")[self.precision.startswith("mixed")]]
+
+    @property
+    def compute_name(self) -> str:
+        """The dtype the model computes in, by name: "fp32", "bf16" or "fp16" (autocast's for amp-*)."""
+        dtype = self.autocast_dtype or self.weight_dtype
+        return next(name for name, value in _DTYPES.items() if value == dtype)
+
+    @property
+    def fp32_main_grads(self) -> bool:
+        """Megatron's recipes: the optimizer reads fp32 main gradients (mixed-*-fp32grads)."""
+        return self.precision.endswith("-fp32grads")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:

@@ -178,6 +178,9 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
     (lesson 1). With `spec=None`, `n_params` parameters are treated as one full fine-tune."""
     wsize = itemsize(setup.weight_dtype)
     mixed = setup.precision.startswith("mixed")
+    # Megatron's main gradients: fp32 in place of 16-bit ones (bf16), or beside them (fp16)
+    grad_size = {"mixed-bf16-fp32grads": 4, "mixed-fp16-fp32grads": 2 + 4}.get(setup.precision, wsize)
+    read_size = 4 if setup.fp32_main_grads else wsize  # what the optimizer reads
     torch_opt = setup.optimizer in ("adamw", "adamw_fused", "momentum", "adafactor")
     if spec is None:
         if setup.lora_rank or setup.quant != "none":
@@ -187,10 +190,10 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
             optimizer_state_bytes("adafactor", [n_params], 4)  # raises: shapes needed
         state_size = 4 if (mixed or setup.adam_state == "fp32" or not torch_opt) else wsize
         return ModelStates(
-            weights=n_params * wsize, gradients=n_params * wsize,
+            weights=n_params * wsize, gradients=n_params * grad_size,
             optimizer_state=optimizer_state_bytes(setup.optimizer, [n_params], state_size, step_counters=False),
             master_weights=4 * n_params if mixed else 0, quantization=0, trainable=n_params, frozen=0,
-            grad_itemsize=wsize, state_itemsize=state_size)
+            grad_itemsize=read_size, state_itemsize=state_size)
 
     step_counters = not cuda
     if not setup.lora_rank:
@@ -206,10 +209,10 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
             optimizer_state = optimizer_state_bytes(setup.optimizer, numels, state_size, shapes, step_counters,
                                                     setup.optimizer_in_backward)
         return ModelStates(
-            weights=sum(numels) * wsize, gradients=sum(numels) * wsize,
+            weights=sum(numels) * wsize, gradients=sum(numels) * grad_size,
             optimizer_state=optimizer_state,
             master_weights=4 * sum(numels) if mixed else 0, quantization=0,
-            trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=wsize,
+            trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=read_size,
             state_itemsize=state_size)
 
     # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default);

@@ -15,7 +15,8 @@ from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
 from course_lib.memory.autocast import MetaAutocast
 from course_lib.memory.compose import composed_trace
-from course_lib.memory.moe import grouped_mm_on_meta, refuse_lora_on_experts
+from course_lib.memory.meta_kernels import kernels_as_on
+from course_lib.memory.moe import refuse_lora_on_experts
 from course_lib.memory.reserved import AllocationStream, stream_slack
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.states import model_states
@@ -31,8 +32,8 @@ class _MetaTracer(AllocationStream, LiveStorageTracker):
     Keyed by the storage's identity (meta storages all have address 0). Parameters and the batch are
     excluded (`exclude`). `grad_bytes` follows the gradients stored in `.grad` (post-accumulate-grad
     hooks), so that `current - grad_bytes` is what is live besides them. Peaks are kept per phase
-    and per position (the decoder layer running, or "pre"/"post": before/after them); phases are
-    revisited, so a phase's peak is never reset.
+    and per position (the decoder layer running, or "pre"/"post": before/after them), each with the
+    gradients live when it was first reached; phases are revisited, so a peak is never reset.
     """
 
     def __init__(self) -> None:
@@ -41,7 +42,8 @@ class _MetaTracer(AllocationStream, LiveStorageTracker):
         self.phase = "forward"
         self.position: int | str = "pre"
         self.peaks_without_grads: dict[str, int] = {}
-        self.position_peaks: dict[tuple[str, int | str], tuple[int, int]] = {}
+        self.peak_grads: dict[str, int] = {}  # the gradients live at each phase's peak
+        self.position_peaks: dict[tuple[str, int | str], tuple[int, int, int]] = {}
         self.known: set[int] = set()
 
     def exclude(self, tensor: torch.Tensor) -> None:
@@ -56,93 +58,21 @@ class _MetaTracer(AllocationStream, LiveStorageTracker):
         self.current += delta
         if self.current > self.phase_peaks.get(self.phase, 0):
             self.phase_peaks[self.phase] = self.current
+            self.peak_grads[self.phase] = self.grad_bytes
         rest = self.current - self.grad_bytes
         if rest > self.peaks_without_grads.get(self.phase, 0):
             self.peaks_without_grads[self.phase] = rest
         where = (self.phase, self.position)
-        old = self.position_peaks.get(where, (0, 0))
+        old = self.position_peaks.get(where, (0, 0, 0))
         if self.current > old[0] or rest > old[1]:
-            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest))
+            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest),
+                                          self.grad_bytes if self.current > old[0] else old[2])
 
     def set_phase(self, phase: str, position: int | str | None = None) -> None:
         self.phase = phase
         if position is not None:
             self.position = position
         self._record(0)
-
-
-@contextlib.contextmanager
-def _kernels_as_on(target: str, autocast: MetaAutocast | None = None):
-    """Make attention and dropout on meta tensors allocate what the real kernels would.
-
-    `F.scaled_dot_product_attention` on meta would take the math path (an s x s score matrix). On the
-    CPU, torch picks its own kernel (asked here with small CPU tensors of the same kind); on CUDA the
-    fused kernels (flash, memory-efficient) keep the output and a float32 log-sum-exp, like the CPU
-    flash kernel used here. A training `F.dropout` on meta, as on the CPU, multiplies by a noise tensor
-    of the input's dtype, which backward keeps; on CUDA it is one fused kernel, `native_dropout`, that
-    keeps a 1-byte mask (aten/src/ATen/native/Dropout.cpp, `dropout`): asked for here. Under `autocast`
-    (the patched SDPA is no torch function its mode sees) the inputs are cast as autocast casts them.
-    """
-    original = torch.nn.functional.scaled_dot_product_attention
-    original_dropout = torch.nn.functional.dropout
-    original_grouped_mm = torch.nn.functional.grouped_mm
-    grouped_mm = grouped_mm_on_meta(original_grouped_mm)  # MoE experts in fp32 (prepare_kbit) or fp16
-
-    def dropout(input, p=0.5, training=True, inplace=False):
-        if target == "cuda" and input.device.type == "meta" and training and 0.0 < p < 1.0 and not inplace:
-            return torch.native_dropout(input, p, True)[0]
-        return original_dropout(input, p, training, inplace)
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if autocast is not None:
-            (query, key, value, attn_mask), _ = autocast.cast("scaled_dot_product_attention",
-                                                              (query, key, value, attn_mask), {})
-        if query.device.type != "meta":
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
-        if target == "cuda" or _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal,
-                                                   enable_gqa) == 1:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
-
-    # transformers looks for packed sequences in the position ids, a data-dependent test the meta
-    # device cannot answer; a plain batch (positions 0 .. s-1 in every row) has none.
-    from transformers import masking_utils
-
-    find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
-    torch.nn.functional.scaled_dot_product_attention = sdpa
-    torch.nn.functional.dropout = dropout
-    torch.nn.functional.grouped_mm = grouped_mm
-    if find_packed is not None:
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
-        torch.nn.functional.dropout = original_dropout
-        torch.nn.functional.grouped_mm = original_grouped_mm
-        if find_packed is not None:
-            masking_utils.find_packed_sequence_indices = find_packed
-
-
-def _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> int:
-    """Which kernel torch's CPU SDPA would pick (0 math, 1 flash) for tensors of this kind."""
-    def small(t):
-        shape = list(t.shape)
-        shape[0] = 1
-        if len(shape) >= 2:
-            shape[-2] = min(shape[-2], 8)
-        return torch.zeros(shape, dtype=t.dtype, requires_grad=t.requires_grad)
-
-    mask = None
-    if attn_mask is not None:
-        shape = [1] * (attn_mask.dim() - 2) + [min(query.shape[-2], 8), min(key.shape[-2], 8)]
-        mask = torch.zeros(shape, dtype=attn_mask.dtype)
-    with torch.no_grad():
-        return int(torch._fused_sdp_choice(small(query), small(key), small(value), mask, dropout_p, is_causal,
-                                           enable_gqa=enable_gqa))
 
 
 def _decoder_layers(model: torch.nn.Module, n_layers: int) -> torch.nn.ModuleList:
@@ -200,7 +130,13 @@ class Trace:
     # allocations and frees run twice through course_lib.caching_allocator (memory.reserved);
     # a composed trace takes the larger of its shallow copies' (memory.compose; not exact: compare=False)
     allocator_slack: int = field(default=0, compare=False)
-    # (phase, layer index or "pre"/"post") -> (peak, peak without gradients): what
+    # the gradients live at each phase's peak, and per decoder layer those its own backward made before its peak
+    forward_peak_grads: int = 0
+    head_backward_peak_grads: int = 0
+    layer_backward_peak_grads: int = 0
+    tail_backward_peak_grads: int = 0
+    layer_peak_grads: tuple[int, ...] = ()
+    # (phase, layer index or "pre"/"post") -> (peak, peak without gradients, gradients at the peak): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -347,7 +283,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     for tensor in [ids, *model.parameters(), *model.buffers()]:
         tracer.exclude(tensor)
     try:
-        with warnings.catch_warnings(), _kernels_as_on(target, autocast):
+        with warnings.catch_warnings(), kernels_as_on(target, autocast):
             warnings.simplefilter("ignore")
             unpack = (lambda t: t) if offload is None else offload.unpack_hook
             with tracer, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -380,8 +316,9 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         dequant = max(p.numel for p in spec.params if p.module == "linear" and not p.is_lm_head) \
             * itemsize(setup.weight_dtype)
     peaks, rest = tracer.phase_peaks, tracer.peaks_without_grads
-    climbs, climbs_with_grads, layer_grads, head_grads = _backward_climbs(tracer, saved, inputs, output["bytes"],
-                                                                          grads_at)
+    climbs, climbs_with_grads, layer_grads, head_grads, own = _backward_climbs(tracer, saved, inputs, output["bytes"],
+                                                                               grads_at)
+    at_peak = tracer.peak_grads
     return Trace(
         forward_peak=peaks.get("forward", 0), head_backward_peak=peaks.get("head_backward", 0),
         layer_backward_peak=peaks.get("layer_backward", 0), tail_backward_peak=peaks.get("tail_backward", 0),
@@ -393,7 +330,11 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, backward_climbs=climbs,
         backward_climbs_with_grads=climbs_with_grads, layer_grads=layer_grads, head_grads=head_grads,
         offloaded=0 if offload is None else offload.to_host, autocast_cached=tuple(cached[:-1]),
-        autocast_cached_outside=cached[-1], allocator_slack=stream_slack(tracer.stream, tracer.peak),
+        autocast_cached_outside=cached[-1], forward_peak_grads=at_peak.get("forward", 0),
+        head_backward_peak_grads=at_peak.get("head_backward", 0),
+        layer_backward_peak_grads=at_peak.get("layer_backward", 0),
+        tail_backward_peak_grads=at_peak.get("tail_backward", 0), layer_peak_grads=own,
+        allocator_slack=stream_slack(tracer.stream, tracer.peak),
         by_position=dict(tracer.position_peaks))
 
 
@@ -403,17 +344,19 @@ def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], o
     saved bytes of layers 0 .. i and the gradient arriving at layer i (and, with gradients, beyond
     the parameter gradients made before its backward). Fed back into the cost model, they give the
     traced peak for no checkpointing; for a checkpointing plan, a recomputed layer's backward climbs
-    as high above what it holds as without checkpointing."""
+    as high above what it holds as without checkpointing. Last: the parameter gradients each layer's
+    backward made before its peak (in its climb with gradients)."""
     n = len(saved)
     if grads_at[n] is None:  # no gradient reaches the embeddings (a frozen base): layer 0's backward ends last
         grads_at[n] = tracer.grad_bytes
     arriving = list(inputs[1:]) + [output]
-    climbs, with_grads = [], []
+    climbs, with_grads, own = [], [], []
     for i in range(n):
-        peak, peak_without = tracer.position_peaks.get(("layer_backward", i), (0, 0))
+        peak, peak_without, grads = tracer.position_peaks.get(("layer_backward", i), (0, 0, 0))
         counted = sum(saved[:i + 1]) + arriving[i]
         climbs.append(peak_without - counted)
         with_grads.append(peak - counted - (grads_at[i] or 0))
+        own.append(max(grads - (grads_at[i] or 0), 0))
     made = [(grads_at[i - 1] if i else grads_at[n]) - (grads_at[i] or 0) for i in range(n)]
-    return tuple(climbs), tuple(with_grads), tuple(made), grads_at[n - 1] or 0
+    return tuple(climbs), tuple(with_grads), tuple(made), grads_at[n - 1] or 0, tuple(own)
 
