@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.accumulation.losses import IGNORE_INDEX, Batch
+from course_lib.errors import UserError, UserTypeError
 
 def batch_size(batch: Batch) -> int:
     """Number of rows (samples or sequences) of a batch."""
@@ -19,9 +20,9 @@ def batch_size(batch: Batch) -> int:
 def check_accumulation_steps(k: Any) -> int:
     """Validate an accumulation step count: a positive int, else a clear error (lesson 2)."""
     if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"accumulation steps must be an int, got {type(k).__name__} {k!r}")
+        raise UserTypeError(f"accumulation steps must be an int, got {type(k).__name__} {k!r}")
     if k <= 0:
-        raise ValueError(f"accumulation steps must be >= 1, got {k}: K micro-batches per optimizer step")
+        raise UserError(f"accumulation steps must be >= 1, got {k}: K micro-batches per optimizer step")
     return k
 
 

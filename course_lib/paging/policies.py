@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from course_lib import validate
+from course_lib.errors import UserError
 from course_lib.measure import GiB, KiB, MiB
 
 GB = 10**9
@@ -33,7 +35,7 @@ ALLOCATOR_SMALL = 1 * MiB           # kSmallSize: requests up to this share 2 Mi
 ALLOCATOR_MIN_LARGE = 10 * MiB      # kMinLargeAlloc: smaller large requests get a 20 MiB segment
 
 
-class PagingError(ValueError):
+class PagingError(UserError):
     """Bad input to the simulator: a parameter out of range or a trace that makes no sense (lesson 4)."""
 
 
@@ -50,8 +52,13 @@ class OutOfDeviceMemory(RuntimeError):
 
 
 def _positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise PagingError(f"{name} must be a positive finite number, got {value!r}")
+    validate.positive(name, value, error=PagingError)
+
+
+def _share_of_the_link(prefetch_efficiency: float) -> None:
+    """Unified-memory transfers move at most at the link's rate: a share above 0, at most 1."""
+    validate.finite("prefetch_efficiency (a share of the link's bandwidth)", prefetch_efficiency, above=0, at_most=1,
+                    error=PagingError)
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class Hardware:
         tensor-core work); PCIe 3.0 x16 (15.75 GB/s each way) with unified-memory transfers at about
         half of it (bitsandbytes' docs). Assumed, with no source: pinned copies at 80% of the link,
         500 M parameters/s of host AdamW (lesson 4 measures your CPU's)."""
-        _positive("prefetch_efficiency", prefetch_efficiency)
+        _share_of_the_link(prefetch_efficiency)
         _positive("flops", flops)
         return cls(name="T4 (PCIe 3.0 x16)", memory=15360 * MiB - context,
                    h2d_bandwidth=prefetch_efficiency * PCIE3_X16,
@@ -107,6 +114,7 @@ class Hardware:
                   prefetch_efficiency: float = 0.5) -> Hardware:
         """The setting of bitsandbytes' documented estimate: PCIe 3.0 x16 "at 16 GB/s", unified
         memory at half of it. The 125 ms per GB evicted follows from these inputs (1/(16*0.5) s)."""
+        _share_of_the_link(prefetch_efficiency)
         return cls(name="PCIe 3.0 x16 (bitsandbytes' estimate)", memory=memory,
                    h2d_bandwidth=prefetch_efficiency * link_bandwidth,
                    d2h_bandwidth=prefetch_efficiency * link_bandwidth,

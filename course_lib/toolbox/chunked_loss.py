@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from course_lib import validate
+from course_lib.errors import UserError
+
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     labels: torch.Tensor, softcap: float | None, ignore_index: int) -> torch.Tensor:
@@ -41,10 +44,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
     `shift=False`: `labels` are already aligned with the positions (HF's `shift_labels`).
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    validate.positive_int("chunk_size (tokens a chunk)", chunk_size)
+    if num_items_in_batch is not None and not torch.is_tensor(num_items_in_batch):
+        validate.positive_int("num_items_in_batch (the tokens of the whole batch, or None)", num_items_in_batch)
+    for name, tensor in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        validate.instance(name, tensor, torch.Tensor, "a torch.Tensor")
+    if hidden.dim() < 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise UserError(f"hidden {tuple(hidden.shape)} must be (batch, seq, hidden) and weight {tuple(weight.shape)} "
+                        "(vocab, hidden), with the same hidden size")
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
+        raise UserError(f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
                          f"dimension, {tuple(hidden.shape[:-1])}")
     targets = (shifted_labels(labels, ignore_index) if shift else labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -53,7 +62,11 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         total = total + checkpoint(_chunk_loss_sum, h, weight, bias, y, softcap, ignore_index,
                                    use_reentrant=False, preserve_rng_state=False)
     if num_items_in_batch is None:
-        return total / (targets != ignore_index).sum()
+        counted = (targets != ignore_index).sum()
+        if not counted:
+            raise UserError(f"every label is ignore_index ({ignore_index}): the mean over no token is 0/0; pass "
+                            "num_items_in_batch (the tokens of the whole batch) or leave this batch out")
+        return total / counted
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from course_lib import validate
+
 
 class OptimizerInBackward:
     """Per-parameter optimizers stepped inside backward (lesson 7).
@@ -73,6 +75,7 @@ def accumulation_breaks(make_model: Callable[[], torch.nn.Module], batches: list
     K micro-batch gradients, not one step on their sum. Returns the optimizer steps each run took and
     the largest weight difference.
     """
+    batches = validate.non_empty("batches", batches, "micro-batches")
     torch.manual_seed(0)
     plain = make_model()
     fused = make_model()
@@ -100,6 +103,7 @@ def clipping_breaks(make_model: Callable[[], torch.nn.Module], batch: torch.Tens
     (none) and the largest weight difference between clipping and not clipping at all (what the fused
     run amounts to).
     """
+    validate.positive("max_norm", max_norm)
     torch.manual_seed(0)
     plain, fused = make_model(), make_model()
     fused.load_state_dict(plain.state_dict())
