@@ -73,9 +73,9 @@ def _checked(check, **options):
             except ValueError:
                 value = text
         try:
-            return check("the value", value, **options)
-        except UserError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
+            return check("VALUE", value, **options)
+        except UserError as error:  # argparse names the option: "argument --batch: must be ..."
+            raise argparse.ArgumentTypeError(str(error).removeprefix("VALUE ")) from None
 
     return parse
 

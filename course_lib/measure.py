@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from course_lib.errors import UserError
 from course_lib import validate
 from course_lib.allocator_events import AllocatorEvents, profiler_peak  # noqa: F401  (lesson 0 imports it from here)
 
@@ -382,7 +383,7 @@ def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: Save
     with recorder:
         loss = loss_fn()
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-        raise ValueError("loss_fn must return a scalar tensor that requires grad (the training loss)")
+        raise UserError("loss_fn must return a scalar tensor that requires grad (the training loss)")
     begin("backward")
     loss.backward()
     del loss

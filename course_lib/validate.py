@@ -30,20 +30,22 @@ def _number(name: str, value, want: str, error: type[UserError]) -> float:
     return value
 
 
-def integer(name: str, value, *, minimum: int | None = None, error: type[UserError] = UserError) -> int:
-    """A whole number (an int, or a float with no fraction) >= `minimum`, as an int."""
-    want = "a whole number" if minimum is None else f"a whole number >= {minimum}"
+def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
+            error: type[UserError] = UserError) -> int:
+    """A whole number (an int, or a float with no fraction) from `minimum` to `maximum`, as an int."""
+    want = "a whole number" + (f" >= {minimum}" if minimum is not None else "") \
+        + (f"{' and' if minimum is not None else ''} <= {maximum:,}" if maximum is not None else "")
     number = _number(name, value, want, error)
     if number != int(number):
         raise error(f"{name} must be {want}, got {_shown(value)} (it has a fraction)")
-    if minimum is not None and number < minimum:
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise error(f"{name} must be {want}, got {_shown(value)}")
     return int(number)
 
 
-def positive_int(name: str, value, *, error: type[UserError] = UserError) -> int:
-    """A whole number >= 1 (a count of items, steps, layers, ...)."""
-    return integer(name, value, minimum=1, error=error)
+def positive_int(name: str, value, *, maximum: int | None = None, error: type[UserError] = UserError) -> int:
+    """A whole number >= 1 (a count of items, steps, layers, ...), at most `maximum` when given."""
+    return integer(name, value, minimum=1, maximum=maximum, error=error)
 
 
 def non_negative_int(name: str, value, *, error: type[UserError] = UserError) -> int:
@@ -56,7 +58,8 @@ def finite(name: str, value, *, above: float | None = None, at_least: float | No
     """A finite real number within the bounds given (`above`: strictly)."""
     bounds = [f"above {above:g}" if above is not None else "", f">= {at_least:g}" if at_least is not None else "",
               f"<= {at_most:g}" if at_most is not None else ""]
-    want = " and ".join(["a finite number"] + [bound for bound in bounds if bound])
+    bounds = [bound for bound in bounds if bound]
+    want = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
     number = _number(name, value, want, error)
     if (above is not None and not number > above) or (at_least is not None and number < at_least) \
             or (at_most is not None and number > at_most):

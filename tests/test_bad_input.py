@@ -151,12 +151,13 @@ def test_chunked_cross_entropy_refuses_a_negative_item_count():
         chunked_cross_entropy(hidden, weight, labels, 2, num_items_in_batch=-3)
 
 
-def test_chunked_cross_entropy_of_all_ignored_labels_is_an_error_not_nan():
-    hidden, weight = torch.randn(1, 4, 8), torch.randn(10, 8)
-    with pytest.raises(UserError, match="ignore_index"):
-        chunked_cross_entropy(hidden, weight, torch.full((1, 4), -100), 2)
-    given = chunked_cross_entropy(hidden, weight, torch.full((1, 4), -100), 2, num_items_in_batch=4)
-    assert given.item() == 0.0  # with the window's count given, an all-ignored micro-batch adds nothing
+def test_chunked_cross_entropy_of_all_ignored_labels_is_zero_not_nan():
+    hidden, weight = torch.randn(1, 4, 8, requires_grad=True), torch.randn(10, 8)
+    loss = chunked_cross_entropy(hidden, weight, torch.full((1, 4), -100), 2)
+    assert loss.item() == 0.0  # no token is scored: it adds nothing, with or without the window's count
+    loss.backward()
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert chunked_cross_entropy(hidden, weight, torch.full((1, 4), -100), 2, num_items_in_batch=4).item() == 0.0
 
 
 def test_accumulation_breaks_refuses_no_batches():

@@ -35,7 +35,7 @@ def split_batch(batch: Batch, k: int) -> list[Batch]:
     k = check_accumulation_steps(k)
     n = batch_size(batch)
     if k > n:
-        raise ValueError(f"cannot split a batch of {n} rows into {k} micro-batches: K must be <= the batch size")
+        raise UserError(f"cannot split a batch of {n} rows into {k} micro-batches: K must be <= the batch size")
     if isinstance(batch, dict):
         parts = {key: torch.tensor_split(value, k) for key, value in batch.items()}
         return [{key: parts[key][i] for key in batch} for i in range(k)]
@@ -47,7 +47,7 @@ def concat_batches(batches: Sequence[Batch], pad_token_id: int = 0,
                    ignore_index: int = IGNORE_INDEX) -> Batch:
     """Concatenate micro-batches into one batch; token batches are right-padded to a common length."""
     if not batches:
-        raise ValueError("nothing to concatenate")
+        raise UserError("nothing to concatenate")
     if isinstance(batches[0], dict):
         length = max(b["input_ids"].shape[1] for b in batches)
         fill = {"input_ids": pad_token_id, "attention_mask": 0, "labels": ignore_index}
@@ -78,7 +78,7 @@ def padded_token_examples(n: int, vocab_size: int = 32, max_len: int = 12, min_l
     next token). Token 0 is reserved for padding and never drawn.
     """
     if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        raise UserError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=gen)
     examples = []

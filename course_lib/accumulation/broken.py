@@ -24,8 +24,8 @@ from course_lib.errors import UserError
 
 def _own_count(counts: list[int], i: int) -> int:
     if counts[i] == 0:
-        raise ValueError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
-                         "the global normalisation (sum / window count) has no such problem")
+        raise UserError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
+                        "the global normalisation (sum / window count) has no such problem")
     return counts[i]
 
 

@@ -187,8 +187,8 @@ def ddp_accumulation_demo(variants: Sequence[Sequence[str]] = ((),), world_size:
     """
     # one mistake's name is one variant, never its characters
     variants = [(v,) if isinstance(v, str) else tuple(v) for v in validate.non_empty("variants", variants)]
-    for name, value in (("world_size", world_size), ("n_micro", n_micro), ("rows_per_rank", rows_per_rank)):
-        validate.positive_int(name, value)
+    world_size, n_micro, rows_per_rank = (validate.positive_int(name, value) for name, value in (
+        ("world_size", world_size), ("n_micro", n_micro), ("rows_per_rank", rows_per_rank)))
     check_accumulation_steps(accumulation_steps)
     validate.positive("timeout_s", timeout_s)
     for v in variants:

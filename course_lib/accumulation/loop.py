@@ -180,8 +180,8 @@ class AccumulationLoop:
         items = self.window_items(counts)
         if items == 0:
             if self.empty_window == "error":
-                raise ValueError(f"window {self.result.windows} has no valid item (every label is ignore_index): "
-                                 "its mean loss is 0/0. Fix the data, or pass empty_window='skip'.")
+                raise UserError(f"window {self.result.windows} has no valid item (every label is ignore_index): "
+                                "its mean loss is 0/0. Fix the data, or pass empty_window='skip'.")
             self.result.empty_windows += 1
             return
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
@@ -254,7 +254,7 @@ def train_whole_windows(model: nn.Module, optimizer: torch.optim.Optimizer, batc
         whole = concat_batches(window)
         n = loss.count(whole)
         if n == 0:
-            raise ValueError("a window has no valid item")
+            raise UserError("a window has no valid item")
         optimizer.zero_grad(set_to_none=True)
         s = loss.sum(model, whole)
         (s / n).backward()

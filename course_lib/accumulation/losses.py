@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.errors import UserError
+
 IGNORE_INDEX = -100
 
 Batch = Any  # a tuple (inputs, targets) or a dict of tensors (input_ids, attention_mask, labels)
@@ -32,7 +34,7 @@ class SampleLoss:
 
     def __init__(self, criterion: str = "mse") -> None:
         if criterion not in ("mse", "cross_entropy"):
-            raise ValueError(f"unknown criterion {criterion!r}: use 'mse' or 'cross_entropy'")
+            raise UserError(f"unknown criterion {criterion!r}: use 'mse' or 'cross_entropy'")
         self.criterion = criterion
 
     def count(self, batch: Batch) -> int:
@@ -82,6 +84,6 @@ def default_loss(batch: Batch) -> SampleLoss | TokenLoss:
     """`TokenLoss` for a dict batch with labels, `SampleLoss("mse")` for a tuple batch."""
     if isinstance(batch, dict):
         if "labels" not in batch:
-            raise ValueError("a dict batch needs 'labels' (with ignore_index at padding) for TokenLoss")
+            raise UserError("a dict batch needs 'labels' (with ignore_index at padding) for TokenLoss")
         return TokenLoss()
     return SampleLoss("mse")

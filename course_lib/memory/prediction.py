@@ -192,12 +192,16 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"overhead: CUDA context and libraries, about {format_bytes(CUDA_CONTEXT_BYTES)} "
                      "(300 to 700 MB, docs/references.md#pytorch-issue-28113-memory-used-when-cuda-starts), "
                      "not seen by torch.cuda.memory_allocated")
-    if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None:  # one GPU: all of sqrt(v)
+    if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None \
+            and not setup.optimizer_in_backward:  # one GPU, one step of all tensors: all of sqrt(v) at once
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
                      f"(optimizer_temporaries: what it adds over the activations' peak); "
                      "--optimizer adamw_fused (fused=True, the Trainer's adamw_torch_fused) avoids it")
-    if spec is not None:
+    if spec is not None and setup.loop == "keep-outputs" and setup.chunked_loss is not None:
+        notes.append("loop keep-outputs with the chunked loss: the chunked loss makes no full logits, so the loop "
+                     "keeps none (the same bytes as --loop trainer)")
+    elif spec is not None:
         notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
                      "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
                      "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")

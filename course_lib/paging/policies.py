@@ -102,6 +102,7 @@ class Hardware:
         tensor-core work); PCIe 3.0 x16 (15.75 GB/s each way) with unified-memory transfers at about
         half of it (bitsandbytes' docs). Assumed, with no source: pinned copies at 80% of the link,
         500 M parameters/s of host AdamW (lesson 4 measures your CPU's)."""
+        context = validate.non_negative_int("context (bytes)", context, error=PagingError)
         _share_of_the_link(prefetch_efficiency)
         _positive("flops", flops)
         return cls(name="T4 (PCIe 3.0 x16)", memory=15360 * MiB - context,

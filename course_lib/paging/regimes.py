@@ -42,7 +42,7 @@ def simulate_offload(setup: TrainingSetup, tokens: int, hardware: Hardware | Non
     of backward), the AdamW step on the CPU, parameters copied back (overlapping the next
     parameter's CPU step). The cost is paid every step, whether memory is short or not."""
     validate.instance("setup", setup, TrainingSetup, "a paging.TrainingSetup", error=PagingError)
-    validate.non_negative_int("tokens", tokens, error=PagingError)
+    tokens = validate.non_negative_int("tokens", tokens, error=PagingError)
     hw = validate.instance("hardware", hardware or Hardware.t4(), Hardware, "a paging.Hardware", error=PagingError)
     cat = setup.bytes_by_category(tokens)
     trainable = [p for p in setup.params if p.trainable]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.device import DtypePolicy
 from course_lib.measure import format_bytes
 from course_lib.memory import GPU
@@ -37,7 +38,7 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
     cases.append(("all tricks off", recipe.all_off()))
     if isolate if isolate is not None else device.type == "cuda":
         if policy is not None or gpu is not None:
-            raise ValueError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
+            raise UserError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
         return isolated_rows(config, cases, device, timed_steps=timed_steps, as_t4=as_t4, progress=progress)
     return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
             for label, r in cases]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.model_config import load_config
@@ -156,7 +157,7 @@ def counting_dataset(n: int, seq: int, vocab: int, seed: int = 0) -> list[dict]:
     means training works."""
     for value, what in ((n, "n"), (seq, "seq"), (vocab, "vocab")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+            raise UserError(f"{what} must be a positive integer, got {value!r}")
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, vocab, (n,), generator=generator)
     rows = []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.measure import optimizer_state_tensors, peak_bytes
 from course_lib.memory import GPU, Setup, plan
@@ -86,10 +87,10 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     """
     recipe.validate()
     if isinstance(timed_steps, bool) or not isinstance(timed_steps, int) or timed_steps < 0:
-        raise ValueError(f"timed_steps must be a whole number >= 0 (0: the peak only), got {timed_steps!r}")
+        raise UserError(f"timed_steps must be a whole number >= 0 (0: the peak only), got {timed_steps!r}")
     device = torch.device(device)
     if gpu is not None and device.type != "cuda":
-        raise ValueError("gpu= sets the memory a CUDA run may use: it needs device='cuda'")
+        raise UserError("gpu= sets the memory a CUDA run may use: it needs device='cuda'")
     policy = policy or dtype_policy(device)
     if device.type == "cuda":
         gpu = gpu or _catalog_gpu(device)

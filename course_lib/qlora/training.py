@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.qlora.building import build_model, quiet
 from course_lib.qlora.recipe import Recipe
@@ -53,10 +54,10 @@ def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learni
     from transformers import PrinterCallback, Trainer  # heavy: transformers
 
     if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
+        raise UserError(f"max_steps must be >= 1, got {max_steps!r}")
     if len(dataset) < recipe.effective_batch:
-        raise ValueError(f"the dataset has {len(dataset)} rows, fewer than one effective batch "
-                         f"({recipe.effective_batch})")
+        raise UserError(f"the dataset has {len(dataset)} rows, fewer than one effective batch "
+                        f"({recipe.effective_batch})")
     model = build_model(config, recipe, device, policy, weights)
     with tempfile.TemporaryDirectory() as folder, quiet():
         args = training_arguments(recipe, folder, max_steps=max_steps, learning_rate=learning_rate, device=device,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.paging.policies import PCIE3_X16
 
 
@@ -58,7 +59,7 @@ def transfer_seconds(to_host: int, to_device: int, bandwidth: float = PCIE3_X16)
     The default is the T4's PCIe 3.0 x16, 15.75 GB/s each way."""
     for value, name in ((to_host, "to_host"), (to_device, "to_device")):
         if value < 0:
-            raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+            raise UserError(f"{name} must be a number of bytes >= 0, got {value!r}")
     if not bandwidth > 0:
-        raise ValueError(f"bandwidth must be positive bytes per second, got {bandwidth!r}")
+        raise UserError(f"bandwidth must be positive bytes per second, got {bandwidth!r}")
     return (to_host + to_device) / bandwidth

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib import validate
 
 
@@ -31,7 +32,7 @@ class OptimizerInBackward:
                  make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
-            raise ValueError("OptimizerInBackward got no parameters that require grad")
+            raise UserError("OptimizerInBackward got no parameters that require grad")
         self.optimizers = {p: make_optimizer([p]) for p in self.params}
         self.steps = dict.fromkeys(self.params, 0)  # optimizer steps each parameter took
         self._handles = [p.register_post_accumulate_grad_hook(self._step) for p in self.params]
