@@ -208,6 +208,9 @@ class AccumulationLoop:
         """Train over `batches` (micro-batches), one optimizer step per window of K."""
         from tqdm.auto import tqdm  # off the import path: tqdm.auto imports ipywidgets in a notebook
 
+        if isinstance(batches, (str, bytes, dict)) or not isinstance(batches, Iterable):
+            raise UserError(f"batches must be a list (or an iterable) of micro-batches, got {type(batches).__name__}")
+
         total = math.ceil(len(batches) / self.k) if hasattr(batches, "__len__") else None
         self.model.train()
         self.zero_grad()

@@ -38,6 +38,8 @@ class SampleLoss:
         self.criterion = criterion
 
     def count(self, batch: Batch) -> int:
+        _check_batch(batch, isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch)),
+                     "a pair (inputs, targets) of tensors, as regression_batches makes")
         return int(batch[0].shape[0])
 
     def sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -65,6 +67,9 @@ class TokenLoss:
         self.ignore_index = ignore_index
 
     def count(self, batch: Batch) -> int:
+        _check_batch(batch, isinstance(batch, dict) and all(torch.is_tensor(batch.get(key)) and batch[key].dim() == 2
+                                                            for key in ("input_ids", "labels")),
+                     "a dict with input_ids and labels tensors (batch, seq), as padded_token_batches makes")
         return int((batch["labels"][:, 1:] != self.ignore_index).sum())
 
     def sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -78,6 +83,13 @@ class TokenLoss:
 
     def __repr__(self) -> str:
         return f"TokenLoss(ignore_index={self.ignore_index})"
+
+
+def _check_batch(batch: Batch, fits: bool, what: str) -> None:
+    """One line for a micro-batch the loss cannot read, before any forward pass (lesson 2)."""
+    if not fits:
+        shown = repr(batch) if len(repr(batch)) < 60 else repr(batch)[:57] + "..."
+        raise UserError(f"each micro-batch must be {what}, got {shown} ({type(batch).__name__})")
 
 
 def default_loss(batch: Batch) -> SampleLoss | TokenLoss:

@@ -11,7 +11,7 @@ from course_lib.measure import format_bytes
 from course_lib.memory import GPU
 from course_lib.qlora.gpu_rows import isolated_rows
 from course_lib.qlora.measuring import Row, measure_recipe
-from course_lib.qlora.recipe import Recipe
+from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
 def ablation(config, recipe: Recipe | None = None, device: str | torch.device = "cpu", *,
@@ -24,7 +24,7 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
     once: paged optimizer state is never freed, so rows in one process would see each other's. There
     `as_t4` runs each row under `emulate_t4` (policy and gpu are then the child's, not arguments).
     `progress(rows)` is called with the rows so far after each isolated row (to save them)."""
-    recipe = (recipe or Recipe()).validate()
+    recipe = valid_recipe(recipe or Recipe())
     device = torch.device(device)
     cases = [("all tricks on", recipe)]
     names = {"nf4": "no 4-bit base (16/32-bit base)", "checkpointing": "no checkpointing",

@@ -21,7 +21,7 @@ from course_lib.errors import UserError
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.model_config import load_config
-from course_lib.qlora.recipe import Recipe
+from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
 def tiny_llama_config(hidden: int = 256, layers: int = 2, heads: int = 8, kv_heads: int = 4,
@@ -124,7 +124,7 @@ def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", poli
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # heavy: transformers and bitsandbytes
 
-    recipe.validate()
+    valid_recipe(recipe)
     device = torch.device(device)
     policy = policy or dtype_policy(device)
     base_dtype = compute_dtype(policy) if recipe.lora_rank else torch.float32

@@ -85,3 +85,9 @@ class Recipe:
         if self.nf4:
             parts.append("prepare_kbit" if self.prepare_kbit else "no prepare_kbit")
         return ", ".join(parts)
+
+
+def valid_recipe(recipe) -> Recipe:
+    """`recipe` validated, or RecipeError for a bad field or for anything but a Recipe (a dict, say)."""
+    return validate.instance("recipe", recipe, Recipe, "a qlora.Recipe, e.g. Recipe(lora_rank=8)",
+                             error=RecipeError).validate()

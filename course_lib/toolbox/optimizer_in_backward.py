@@ -76,7 +76,8 @@ def accumulation_breaks(make_model: Callable[[], torch.nn.Module], batches: list
     K micro-batch gradients, not one step on their sum. Returns the optimizer steps each run took and
     the largest weight difference.
     """
-    batches = validate.non_empty("batches", batches, "micro-batches")
+    batches = [validate.instance("each batch", batch, torch.Tensor, "a torch.Tensor")
+               for batch in validate.non_empty("batches", batches, "micro-batches (tensors)")]
     torch.manual_seed(0)
     plain = make_model()
     fused = make_model()
