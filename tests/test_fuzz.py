@@ -21,7 +21,7 @@ from course_lib.cli import main
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
 
-FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=15, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 # The values a user gets wrong, and random ones of every type.

@@ -186,9 +186,9 @@ def ddp_accumulation_demo(variants: Sequence[Sequence[str]] = ((),), world_size:
     they are killed and an error is raised if they do not finish within `timeout_s`.
     """
     # one mistake's name is one variant, never its characters
-    variants = [(v,) if isinstance(v, str) else tuple(v) for v in validate.non_empty("variants", variants)]
-    world_size, n_micro, rows_per_rank = (validate.positive_int(name, value) for name, value in (
-        ("world_size", world_size), ("n_micro", n_micro), ("rows_per_rank", rows_per_rank)))
+    variants = [tuple(v) if isinstance(v, (list, tuple)) else (v,) for v in validate.non_empty("variants", variants)]
+    world_size, n_micro, rows_per_rank = (validate.positive_int(name, value, maximum=most) for name, value, most in (
+        ("world_size", world_size, 64), ("n_micro", n_micro, 1000), ("rows_per_rank", rows_per_rank, 1000)))
     check_accumulation_steps(accumulation_steps)
     validate.positive("timeout_s", timeout_s)
     for v in variants:

@@ -160,8 +160,9 @@ def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
     Returns one RankStep per (stage, skip_sync, rank), in that order.
     """
     stages = validate.choices("stage", stages, tuple(ENGINES))  # all before any process starts
-    world_size, batch, seq, micro_batches, repeats = (validate.positive_int(name, value) for name, value in (
-        ("world_size", world_size), ("batch", batch), ("seq", seq), ("micro_batches", micro_batches), ("repeats", repeats)))
+    world_size = validate.positive_int("world_size (processes on this machine)", world_size, maximum=64)
+    batch, seq, micro_batches, repeats = (validate.positive_int(name, value) for name, value in (
+        ("batch", batch), ("seq", seq), ("micro_batches", micro_batches), ("repeats", repeats)))
     skip_sync = [validate.strict_bool("skip_sync", skip) for skip in validate.non_empty("skip_sync", skip_sync)]
     validate.positive("timeout_s", timeout_s)
     if not callable(build):
