@@ -85,7 +85,7 @@ def test_plan_command(capsys, option, text):
         assert err == "" and out and "nan" not in out.lower(), (args, out)
 
 
-@FUZZ
+@settings(FUZZ, max_examples=8)  # each valid value traces the model (under a second)
 @given(option=st.sampled_from(["--batch", "--seq", "--accum", "--chunked-loss", "--lora-dropout"]), text=TEXTS)
 def test_plan_command_of_a_model(capsys, tiny_config, option, text):
     extra = ["--lora-rank", "4"] if option == "--lora-dropout" else []
@@ -105,8 +105,9 @@ def test_grade_command_options(capsys, tmp_path, option, text):
 
 # ------------------------------------------------------------------ memory, qlora
 
+@pytest.mark.parametrize("field", sorted(memory.Setup.__dataclass_fields__))
 @FUZZ
-@given(field=st.sampled_from(sorted(memory.Setup.__dataclass_fields__)), value=VALUES)
+@given(value=VALUES)
 def test_plan_of_a_count_with_any_setup_field(field, value):
     outcome(lambda: memory.plan(10**9, **{field: value}), good_plan)
 
@@ -125,8 +126,9 @@ def test_plan_of_any_model_and_gpu(model, gpu):
     outcome(lambda: memory.plan(model, gpu=gpu, precision="fp32"), good_plan)
 
 
+@pytest.mark.parametrize("field", sorted(qlora.Recipe.__dataclass_fields__))
 @FUZZ
-@given(field=st.sampled_from(sorted(qlora.Recipe.__dataclass_fields__)), value=VALUES)
+@given(value=VALUES)
 def test_recipe_fields(field, value):
     outcome(lambda: qlora.Recipe(**{field: value}).validate(), lambda recipe: recipe.describe())
 
@@ -279,3 +281,39 @@ def test_the_checks_themselves(value):
                   validate.strict_bool, validate.strings, validate.non_empty):
         outcome(lambda: check("x", value))
     outcome(lambda: validate.choice("x", value, ("a", "b")), lambda result: result in ("a", "b"))
+
+
+# ------------------------------------------------------------------ more of each package's public functions
+
+def _non_negative(result) -> None:
+    values = result if isinstance(result, (tuple, list)) else [result]
+    finite_numbers(values)
+    assert all(value >= 0 for value in values), result
+
+
+ONE_ARGUMENT = {
+    "memory.get_gpu": (lambda v: memory.get_gpu(v), lambda gpu: gpu.memory_bytes > 0),
+    "memory.nf4_bytes": (lambda v: memory.nf4_bytes(v, True), _non_negative),
+    "memory.korthikanti_bytes": (lambda v: memory.korthikanti_bytes(v, 64, 32, 2, 2), _non_negative),
+    "memory.what_makes_it_fit": (lambda v: memory.what_makes_it_fit(10**9, v, memory.get_gpu("t4")), None),
+    "memory.optimizer_state_bytes": (lambda v: memory.optimizer_state_bytes(v, [10, 20], 4), _non_negative),
+    "toolbox.transfer_seconds": (lambda v: toolbox.transfer_seconds(v, v), _non_negative),
+    "checkpointing.segments_plan": (lambda v: checkpointing.segments_plan(4, v), None),
+    "checkpointing.validate_plan": (lambda v: checkpointing.validate_plan(v, 4), None),
+    "paging.bnb_estimate_ms": (lambda v: paging.bnb_estimate_ms(v), _non_negative),
+    "paging.block_bytes": (lambda v: paging.block_bytes(v), _non_negative),
+    "paging.sweep_faults": (lambda v: paging.sweep_faults(v, 2), _non_negative),
+    "accumulation.padded_token_batches": (lambda v: accumulation.padded_token_batches(v, batch_size=2)
+                                          if not isinstance(v, int) or v < 50 else [], None),
+    "accumulation.split_batch": (lambda v: accumulation.split_batch(accumulation.regression_batches(1)[0], v), None),
+    "accumulation.tiny_mlp": (lambda v: accumulation.tiny_mlp(v), None),
+    "qlora.Recipe.without": (lambda v: qlora.Recipe().without(v), lambda recipe: recipe.validate()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_ARGUMENT))
+@FUZZ
+@given(value=VALUES)
+def test_one_argument_of_each_package(name, value):
+    call, check = ONE_ARGUMENT[name]
+    outcome(lambda: call(value), check or (lambda result: None))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from course_lib import validate
 from course_lib.accumulation.losses import IGNORE_INDEX, Batch
 from course_lib.errors import UserError, UserTypeError
 
@@ -110,6 +111,9 @@ def collate_padded(examples: Sequence[dict[str, Any]], pad_token_id: int = 0,
 def padded_token_batches(n_batches: int, batch_size: int = 4, vocab_size: int = 32, max_len: int = 12,
                          min_len: int = 2, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """`n_batches` padded token micro-batches of `batch_size` random-length sequences (lesson 2)."""
+    n_batches, batch_size, vocab_size, max_len, min_len = (validate.positive_int(name, value) for name, value in (
+        ("n_batches", n_batches), ("batch_size", batch_size), ("vocab_size", vocab_size), ("max_len", max_len),
+        ("min_len", min_len)))
     examples = padded_token_examples(n_batches * batch_size, vocab_size, max_len, min_len, seed)
     return [collate_padded(examples[i * batch_size:(i + 1) * batch_size]) for i in range(n_batches)]
 

@@ -177,6 +177,7 @@ class Policy:
 
 def block_bytes(nbytes: int) -> int:
     """The bytes PyTorch's caching allocator hands out for a request of `nbytes` (lesson 4)."""
+    validate.finite("nbytes", nbytes, at_least=0, error=PagingError)
     return max(ALLOCATOR_ROUND, -(-int(nbytes) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND)
 
 
@@ -195,6 +196,9 @@ def sweep_faults(leaves: int, missing: int, threshold: float = 0.51) -> int:
     page resident, then grows the migration to the largest aligned power-of-two subregion of the
     block's bitmap tree that is more than `threshold` resident (counting the faulted page). A whole 2 MB block of 64 KB pages
     takes 6 faults, of 4 KB pages 17."""
+    leaves = validate.positive_int("leaves (pages of the 2 MB block)", leaves, maximum=4096, error=PagingError)
+    missing = validate.non_negative_int("missing", missing, error=PagingError)
+    validate.probability("threshold", threshold, error=PagingError)
     if not 0 <= missing <= leaves:
         raise PagingError(f"missing must be between 0 and {leaves}, got {missing}")
     return _sweep_faults(int(leaves), int(missing), float(threshold))

@@ -199,6 +199,5 @@ def bnb_estimate_ms(evicted_gb: float, link_gb_per_s: float = 16.0, efficiency: 
     evicted_gb / (link * efficiency) seconds (1 GB on PCIe 3.0 x16: 125 ms)."""
     _positive("link_gb_per_s", link_gb_per_s)
     _positive("efficiency", efficiency)
-    if evicted_gb < 0:
-        raise PagingError(f"evicted_gb must be >= 0, got {evicted_gb}")
+    validate.finite("evicted_gb", evicted_gb, at_least=0, error=PagingError)
     return 1e3 * evicted_gb / (link_gb_per_s * efficiency)
