@@ -146,9 +146,11 @@ def model_and_optimizer(model, optimizer=None, *, error: type[UserError] = UserE
                     "real device, e.g. model.to_empty(device='cpu') then load or initialise its weights")
     if optimizer is None:
         return
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(groups, list):
+    if not all(callable(getattr(optimizer, method, None)) for method in ("step", "zero_grad")):
         raise error(f"optimizer must be a torch.optim.Optimizer, got {_shown(optimizer)} ({type(optimizer).__name__})")
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):  # an optimizer of its own kind (toolbox.OptimizerInBackward): no groups to check
+        return
     own = {id(p) for p in params}
     if any(id(p) not in own for group in groups for p in group["params"]):
         raise error("optimizer updates parameters that are not this model's (built for another model?): build it "
