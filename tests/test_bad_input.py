@@ -258,3 +258,36 @@ def test_grade_checks_an_unwritable_csv_before_grading(tmp_path, capsys):
     (tmp_path / "a.ipynb").write_text("{}")
     code, out, err = cli(capsys, "grade", str(tmp_path / "a.ipynb"), "--csv", str(tmp_path / "no" / "g.csv"))
     assert code == 2 and "no folder" in err and out == ""
+
+
+# ------------------------------------------------------------------ possible but pointless: notes that say so
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("bad_input") / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                "vocab_size": 64, "max_position_embeddings": 128}))
+    return str(path)
+
+
+def test_a_chunk_as_large_as_the_micro_batch_is_noted(tiny_config):
+    whole = plan(tiny_config, batch=2, seq=32, chunked_loss=64)
+    assert any("so it is one chunk" in note and "64 tokens" in note for note in whole.notes), whole.notes
+    smaller = plan(tiny_config, batch=2, seq=32, chunked_loss=16)
+    assert not any("so it is one chunk" in note for note in smaller.notes)
+
+
+def test_keep_outputs_with_a_chunked_loss_says_it_keeps_nothing_as_the_numbers_do(tiny_config):
+    kept = plan(tiny_config, seq=32, chunked_loss=8, loop="keep-outputs")
+    trainer = plan(tiny_config, seq=32, chunked_loss=8)
+    assert kept.bytes == trainer.bytes
+    assert any("keeps none" in note for note in kept.notes)
+    assert not any("stay alive through backward" in note for note in kept.notes), kept.notes
+
+
+def test_no_foreach_note_when_the_step_is_in_backward(tiny_config):
+    in_backward = plan(tiny_config, seq=32, precision="bf16", optimizer_in_backward=True, gpu="a100-80gb")
+    after = plan(tiny_config, seq=32, precision="bf16", gpu="a100-80gb")
+    assert any("(foreach)" in note for note in after.notes)
+    assert not any("(foreach)" in note for note in in_backward.notes), in_backward.notes
