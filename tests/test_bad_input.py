@@ -16,7 +16,7 @@ from course_lib.checkpointing import tiny_decoder
 from course_lib.cli import main
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
-from course_lib.memory import Setup, plan
+from course_lib.memory import plan
 from course_lib.paging import Hardware, simulate, simulate_offload, TrainingSetup, transformer_params
 from course_lib.qlora import Recipe
 from course_lib.sharding import measure_sharding
@@ -261,15 +261,6 @@ def test_grade_checks_an_unwritable_csv_before_grading(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ possible but pointless: notes that say so
-
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("bad_input") / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                "vocab_size": 64, "max_position_embeddings": 128}))
-    return str(path)
-
 
 def test_a_chunk_as_large_as_the_micro_batch_is_noted(tiny_config):
     whole = plan(tiny_config, batch=2, seq=32, chunked_loss=64)

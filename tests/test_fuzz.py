@@ -8,7 +8,6 @@ their validation answers first (the spawn itself is replaced by a stub that says
 """
 
 import functools
-import json
 import math
 
 import pytest
@@ -52,15 +51,6 @@ def good_plan(result) -> None:
     finite_numbers(result.bytes.values())
     assert all(value >= 0 for value in result.bytes.values()), result.bytes
     assert result.total >= result.bytes["weights"] and result.n_params >= result.trainable_params >= 0
-
-
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("fuzz") / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                "vocab_size": 64, "max_position_embeddings": 128}))
-    return str(path)
 
 
 # ------------------------------------------------------------------ the CLI
