@@ -8,10 +8,12 @@ test has a deadline: timing goals go to benchmarks/ (CONTRIBUTING.md), and the d
 example only fails a test on a busy machine."""
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("no-deadline", deadline=None)
@@ -21,3 +23,14 @@ os.environ["COURSE_LIB_CACHE_DIR"] = tempfile.mkdtemp(prefix="course-lib-cache-"
 atexit.register(shutil.rmtree, os.environ["COURSE_LIB_CACHE_DIR"], ignore_errors=True)
 if "PYTEST_XDIST_WORKER" in os.environ:  # read by torch's OpenMP when it loads: no test module has yet
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tmp_path_factory) -> str:
+    """The path of a config.json of a 2-layer Llama 32 wide: a model the planner traces in a fraction of a
+    second (tests/test_bad_input.py, tests/test_fuzz.py)."""
+    path = tmp_path_factory.mktemp("tiny_config") / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                "vocab_size": 64, "max_position_embeddings": 128}))
+    return str(path)

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import re
 import sys
 from pathlib import Path
 
+from course_lib import validate
 from course_lib.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line that says what to do."""
+    """argparse, but a usage error is one line that says what to do, and `--params -7e9` (or -1.5B, -inf)
+    is a value to check, not an unknown option."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[kKmMbBtT]?$|^-(inf|nan)$",
+                                                   re.IGNORECASE)
 
     def error(self, message: str) -> None:
         raise UserError(f"{message} (see `{self.prog} --help`)")
@@ -53,19 +60,27 @@ def _grade(args: argparse.Namespace) -> int:
                  as_recorded=args.as_recorded, junit_path=args.junit)
 
 
-def _positive(kind: type):
-    """An argparse type: a finite number above zero (an error says so in one line)."""
+def _checked(check, **options):
+    """An argparse type: the text read as a number, then checked by `check` (course_lib.validate), whose
+    one line says what to give instead."""
 
     def parse(text: str):
         try:
-            value = kind(text)
+            value = int(text)
         except ValueError:
-            value = 0
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above zero")
-        return value
+            try:
+                value = float(text)
+            except ValueError:
+                value = text
+        try:
+            return check("VALUE", value, **options)
+        except UserError as error:  # argparse names the option: "argument --batch: must be ..."
+            raise argparse.ArgumentTypeError(str(error).removeprefix("VALUE ")) from None
 
     return parse
+
+
+_POSITIVE_INT = _checked(validate.positive_int)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -111,11 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "as the exercise it records (by default it is a FAIL)")
     grade.add_argument("--reference", metavar="DIR", help="the instructor's copy the setup and check cells come "
                        "from: a folder of the course's exercises or solutions (default: the course's solutions/)")
-    grade.add_argument("--timeout", type=_positive(float), default=300, metavar="SECONDS",
+    grade.add_argument("--timeout", type=_checked(validate.positive), default=300, metavar="SECONDS",
                        help="the longest a cell may run (default 300)")
-    grade.add_argument("--notebook-timeout", type=_positive(float), default=1800, metavar="SECONDS",
+    grade.add_argument("--notebook-timeout", type=_checked(validate.positive), default=1800, metavar="SECONDS",
                        help="the longest a whole notebook may run, once its kernel is up (default 1800)")
-    grade.add_argument("--jobs", type=_positive(int), metavar="N",
+    grade.add_argument("--jobs", type=_POSITIVE_INT, metavar="N",
                        help="grade N notebooks at once, each in its own kernel (default: what this machine can "
                             "run, by its CPU cores or its available memory, whichever binds)")
     grade.add_argument("--only-errors", action="store_true",
@@ -143,17 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "for --quant")
     plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit",
                       "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
-    plan.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R")
-    plan.add_argument("--lora-dropout", type=float, metavar="P",
+    plan.add_argument("--lora-rank", type=_checked(validate.non_negative_int), default=0, metavar="R", help="train LoRA adapters of rank R")
+    plan.add_argument("--lora-dropout", type=_checked(validate.probability, below_one=True), metavar="P",
                       help="peft's lora_dropout (default 0.0, peft's; the QLoRA paper used 0.05 and 0.1)")
     plan.add_argument("--quant", default="none", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA)")
     # no argparse defaults for what --params cannot use: the planner tells given options from defaults
-    plan.add_argument("--batch", type=int, help="micro-batch size (default 1)")
-    plan.add_argument("--seq", type=int, help="sequence length in tokens (default 512)")
+    plan.add_argument("--batch", type=_POSITIVE_INT, help="micro-batch size (default 1)")
+    plan.add_argument("--seq", type=_POSITIVE_INT, help="sequence length in tokens (default 512)")
     plan.add_argument("--checkpointing", metavar="PLAN",
                       help="none (default), every-layer, sqrt, every-K (e.g. every-2) or hf-every-K "
                            "(Hugging Face's every_n_layers=K)")
-    plan.add_argument("--accum", type=int, help="gradient accumulation steps (default 1)")
+    plan.add_argument("--accum", type=_POSITIVE_INT, help="gradient accumulation steps (default 1)")
     plan.add_argument("--attention", choices=("sdpa", "eager"), help="attention kernel (default sdpa)")
     plan.add_argument("--loop", choices=("trainer", "keep-outputs"),
                       help="trainer (default): only the loss is kept; keep-outputs: `outputs = model(**batch)` "
@@ -161,13 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     # lesson 7's tricks
     plan.add_argument("--optimizer-in-backward", action="store_true", default=None,
                       help="step each parameter in backward and free its gradient there (no accumulation)")
-    plan.add_argument("--chunked-loss", type=int, metavar="TOKENS",
+    plan.add_argument("--chunked-loss", type=_POSITIVE_INT, metavar="TOKENS",
                       help="output layer and loss computed TOKENS tokens at a time, recomputed in backward")
     plan.add_argument("--offload-activations", action="store_true", default=None,
                       help="what autograd saves goes to host memory (torch's save_on_cpu)")
     plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
                                     "h200, rtx3090, rtx4090")
-    plan.add_argument("--gpus", type=int, metavar="N", help="N GPUs train together (data parallel); the plan "
+    plan.add_argument("--gpus", type=_POSITIVE_INT, metavar="N", help="N GPUs train together (data parallel); the plan "
                                                            "is one GPU's share, --batch per GPU (lesson 6)")
     plan.add_argument("--shard", metavar="STAGE", help="what the N GPUs partition: none (DDP, default), zero1 "
                                                        "(optimizer state), zero2 (+ gradients), zero3 (+ weights)")

@@ -12,6 +12,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from course_lib.errors import UserError
+
 
 def in_colab() -> bool:
     """True inside a Google Colab runtime (lesson 0, "Setup")."""
@@ -24,7 +26,7 @@ def pick_device(prefer: str | None = None) -> torch.device:
     `prefer="cpu"` forces the CPU; `prefer="cuda"` raises a clear error when no GPU is present.
     """
     if prefer not in (None, "cpu", "cuda"):
-        raise ValueError(f"unknown device {prefer!r}: use 'cpu', 'cuda' or None (pick automatically)")
+        raise UserError(f"unknown device {prefer!r}: use 'cpu', 'cuda' or None (pick automatically)")
     if prefer == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU is visible: run on CPU (prefer=None) or switch to a GPU runtime")
     if prefer == "cpu" or not torch.cuda.is_available():

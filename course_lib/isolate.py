@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 
+from course_lib.errors import UserError
+
 _MARK = "@@course_lib_isolated@@"
 _CHILD = f"""
 import importlib, json, os, sys
@@ -36,7 +38,7 @@ def run(target: str, *, env: dict[str, str] | None = None, timeout: float | None
     CUDA call). A child that dies, times out or prints no result gives {"status": "crashed", ...}
     with its exit code and the last line it wrote to stderr."""
     if ":" not in target:
-        raise ValueError(f"target must be 'package.module:function', got {target!r}")
+        raise UserError(f"target must be 'package.module:function', got {target!r}")
     try:
         done = subprocess.run([sys.executable, "-c", _CHILD, target], input=json.dumps(kwargs),
                               capture_output=True, text=True, timeout=timeout,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from course_lib.errors import UserError
+
 
 def find_layer_stack(model: nn.Module) -> nn.ModuleList | nn.Sequential:
     """The repeated layers of a model: the model itself when it is an nn.Sequential or nn.ModuleList,
@@ -18,8 +20,8 @@ def find_layer_stack(model: nn.Module) -> nn.ModuleList | nn.Sequential:
     outermost = [(name, module) for name, module in stacks
                  if not any(name.startswith(f"{other}.") for other, _ in stacks if other != name)]
     if not outermost:
-        raise ValueError(f"no layer stack found in {type(model).__name__}: pass an nn.Sequential, an "
-                         f"nn.ModuleList, or a model holding an nn.ModuleList of identical layers")
+        raise UserError(f"no layer stack found in {type(model).__name__}: pass an nn.Sequential, an "
+                        f"nn.ModuleList, or a model holding an nn.ModuleList of identical layers")
     return max(outermost, key=lambda item: len(item[1]))[1]
 
 

@@ -21,6 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from course_lib.errors import UserError
+from course_lib import validate
 from course_lib.allocator_events import AllocatorEvents, profiler_peak  # noqa: F401  (lesson 0 imports it from here)
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -300,6 +302,7 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     Tensors saved inside a non-reentrant checkpoint region are invisible to `saved_for_backward`
     (checkpointing installs its own hooks); the peak still counts them.
     """
+    validate.model_and_optimizer(model, optimizer)
     device = next(model.parameters()).device
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -380,7 +383,7 @@ def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: Save
     with recorder:
         loss = loss_fn()
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-        raise ValueError("loss_fn must return a scalar tensor that requires grad (the training loss)")
+        raise UserError("loss_fn must return a scalar tensor that requires grad (the training loss)")
     begin("backward")
     loss.backward()
     del loss

@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from course_lib.cache import cached_answer
+from course_lib.errors import UserError
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 
@@ -42,7 +43,7 @@ HUB_IDS = {
 }
 
 
-class ModelNotFound(ValueError):
+class ModelNotFound(UserError):
     """An unknown model name or a config that cannot be read; the message says what to do."""
 
 
@@ -51,8 +52,18 @@ def bundled_models() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
+def hub_id_as_pasted(text: str) -> str:
+    """A Hub id as people paste it, understood: 'https://huggingface.co/org/name', 'org/name/' and
+    'org/name/tree/main' are 'org/name' (a local path that exists is kept as it is)."""
+    text = text.strip()
+    if Path(text).expanduser().exists():
+        return text
+    cleaned = re.sub(r"^(https?://)?(www\.)?(huggingface\.co|hf\.co)/", "", text).rstrip("/")
+    return re.sub(r"/(tree|blob|resolve)/[^/]+(/.*)?$", "", cleaned) or text
+
+
 def _normalise(name: str) -> str:
-    name = name.strip().lower()
+    name = hub_id_as_pasted(name).lower()
     for hub_name, hub_id in HUB_IDS.items():  # accept the Hub id too: "meta-llama/Llama-2-7b-hf"
         if name == hub_id.lower():
             return hub_name
@@ -68,7 +79,7 @@ def load_config(name_or_path: str | Path):
     """
     from transformers import AutoConfig  # off the import path: transformers takes seconds to import
 
-    text = str(name_or_path)
+    text = hub_id_as_pasted(str(name_or_path))
     path = _config_file(text)
     if path is None:
         return _hub_config(text)
@@ -89,6 +100,7 @@ def load_config(name_or_path: str | Path):
 def _config_file(text: str) -> Path | None:
     """The config.json a bundled name or a path names, None for a Hub id (transformers fetches it);
     ModelNotFound for an unknown name or a path with no config file."""
+    text = hub_id_as_pasted(text)
     key = _normalise(text)
     path = Path(text).expanduser()
     if key in bundled_models():
@@ -115,8 +127,11 @@ def _check_sizes_given(source: str, model_type: str, fields: dict) -> None:
     class (for "llama", Llama-2-7B's), and the plan would be another model's (lesson 1)."""
     from transformers import CONFIG_MAPPING  # off the import path: transformers takes seconds to import
 
-    if model_type not in CONFIG_MAPPING:
-        return  # AutoConfig.for_model says it is unknown
+    if model_type not in CONFIG_MAPPING:  # transformers' own message lists all its 400 model types
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
+        raise ModelNotFound(f"{source}: unknown \"model_type\" {model_type!r}: "
+                            + (f"did you mean {' or '.join(close)}?" if close else "give the model_type of a "
+                               "transformers architecture (e.g. llama, gpt2, mistral, qwen2)"))
     config_class = CONFIG_MAPPING[model_type]
     aliases = getattr(config_class, "attribute_map", {}) or {}
     defaults = config_class()
@@ -126,6 +141,28 @@ def _check_sizes_given(source: str, model_type: str, fields: dict) -> None:
         raise ModelNotFound(f"{source}: the config has no {', '.join(missing)}; transformers would use "
                             f"{config_class.__name__}'s defaults (another model's sizes): "
                             "give this model's own values")
+    _check_size_values(source, {name: fields.get(name, fields.get(aliases.get(name))) for name in SIZE_FIELDS
+                                + ("num_key_value_heads", "intermediate_size", "max_position_embeddings")},
+                       "head_dim" in fields)
+
+
+def _check_size_values(source: str, sizes: dict, head_dim_given: bool) -> None:
+    """Each size a positive whole number, the heads dividing the width and the key/value heads dividing
+    the heads: ModelNotFound naming the field and the fix, not transformers' or torch's error (lesson 1)."""
+    for name, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelNotFound(f"{source}: \"{name}\" must be a positive whole number, got {value!r}")
+    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if hidden is not None and heads is not None and hidden % heads and not head_dim_given:
+        raise ModelNotFound(f"{source}: \"hidden_size\" {hidden} is not a multiple of \"num_attention_heads\" "
+                            f"{heads}: give a number of heads that divides it (e.g. {_divisor_near(hidden, heads)})")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ModelNotFound(f"{source}: \"num_attention_heads\" {heads} is not a multiple of \"num_key_value_heads\" "
+                            f"{kv_heads}: give key/value heads that divide it (e.g. {_divisor_near(heads, kv_heads)})")
+
+
+def _divisor_near(whole: int, wanted: int) -> int:
+    return min((d for d in range(1, whole + 1) if whole % d == 0), key=lambda d: (abs(d - wanted), d))
 
 
 def _hub_config(hub_id: str):
@@ -263,7 +300,7 @@ def config_class_name(config) -> str:
 def config_key(name_or_path: str | Path) -> str:
     """What names a config: a bundled name (a Hub id of a bundled model too), a local path resolved,
     or the text itself (a Hub id)."""
-    text = str(name_or_path)
+    text = hub_id_as_pasted(str(name_or_path))
     key = _normalise(text)
     if key in bundled_models():
         return key

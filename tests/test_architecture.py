@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).parents[1] / "course_lib"
 
 # From the bottom up; a module's floor is that of the longest prefix listed (CONTRIBUTING.md's picture).
 FLOORS = [
-    ("infrastructure", ["course_lib", "course_lib.errors", "course_lib.device", "course_lib.measure",
+    ("infrastructure", ["course_lib", "course_lib.errors", "course_lib.validate", "course_lib.device", "course_lib.measure",
                         "course_lib.models", "course_lib.model_config", "course_lib.cache", "course_lib.isolate",
                         "course_lib.allocator_events", "course_lib.caching_allocator",
                         "course_lib.layers", "course_lib.course"]),

@@ -225,10 +225,10 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--timeout", "0"], "'0' is not a finite number above zero"),
-    (["--timeout", "inf"], "'inf' is not a finite number above zero"),
-    (["--notebook-timeout", "nan"], "'nan' is not a finite number above zero"),
-    (["--jobs", "two"], "'two' is not a finite number above zero"),
+    (["--timeout", "0"], "--timeout: must be a finite number above 0, got 0"),
+    (["--timeout", "inf"], "--timeout: must be a finite number above 0, got inf (not a finite number)"),
+    (["--notebook-timeout", "nan"], "--notebook-timeout: must be a finite number above 0, got nan"),
+    (["--jobs", "two"], "--jobs: must be a whole number >= 1, got 'two'"),
     (["--csv", "g" * 300 + ".csv"], ": cannot write the gradebook there (File name too long)"),
     (["--junit", "nowhere/report.xml"], "nowhere/report.xml: no folder nowhere to write the gradebook in"),
     (["--reference", str(ROOT / "exercises")], f"holds {EXERCISE}, a notebook being graded"),

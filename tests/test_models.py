@@ -65,7 +65,7 @@ def test_local_config_file_and_folder(tmp_path):
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must hold a JSON object"),
     ('{"hidden_size": 8}', "no \"model_type\""),
-    ('{"model_type": "no-such-architecture"}', "cannot build"),
+    ('{"model_type": "no-such-architecture"}', 'unknown "model_type" \'no-such-architecture\''),
 ])
 def test_malformed_config_says_what_is_wrong(tmp_path, content, message):
     path = tmp_path / "config.json"

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from course_lib import validate
 from course_lib.accumulation.losses import IGNORE_INDEX, Batch
+from course_lib.errors import UserError, UserTypeError
 
 def batch_size(batch: Batch) -> int:
     """Number of rows (samples or sequences) of a batch."""
@@ -19,9 +21,9 @@ def batch_size(batch: Batch) -> int:
 def check_accumulation_steps(k: Any) -> int:
     """Validate an accumulation step count: a positive int, else a clear error (lesson 2)."""
     if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"accumulation steps must be an int, got {type(k).__name__} {k!r}")
+        raise UserTypeError(f"accumulation steps must be an int, got {type(k).__name__} {k!r}")
     if k <= 0:
-        raise ValueError(f"accumulation steps must be >= 1, got {k}: K micro-batches per optimizer step")
+        raise UserError(f"accumulation steps must be >= 1, got {k}: K micro-batches per optimizer step")
     return k
 
 
@@ -34,7 +36,7 @@ def split_batch(batch: Batch, k: int) -> list[Batch]:
     k = check_accumulation_steps(k)
     n = batch_size(batch)
     if k > n:
-        raise ValueError(f"cannot split a batch of {n} rows into {k} micro-batches: K must be <= the batch size")
+        raise UserError(f"cannot split a batch of {n} rows into {k} micro-batches: K must be <= the batch size")
     if isinstance(batch, dict):
         parts = {key: torch.tensor_split(value, k) for key, value in batch.items()}
         return [{key: parts[key][i] for key in batch} for i in range(k)]
@@ -46,7 +48,7 @@ def concat_batches(batches: Sequence[Batch], pad_token_id: int = 0,
                    ignore_index: int = IGNORE_INDEX) -> Batch:
     """Concatenate micro-batches into one batch; token batches are right-padded to a common length."""
     if not batches:
-        raise ValueError("nothing to concatenate")
+        raise UserError("nothing to concatenate")
     if isinstance(batches[0], dict):
         length = max(b["input_ids"].shape[1] for b in batches)
         fill = {"input_ids": pad_token_id, "attention_mask": 0, "labels": ignore_index}
@@ -77,7 +79,7 @@ def padded_token_examples(n: int, vocab_size: int = 32, max_len: int = 12, min_l
     next token). Token 0 is reserved for padding and never drawn.
     """
     if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        raise UserError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=gen)
     examples = []
@@ -109,6 +111,9 @@ def collate_padded(examples: Sequence[dict[str, Any]], pad_token_id: int = 0,
 def padded_token_batches(n_batches: int, batch_size: int = 4, vocab_size: int = 32, max_len: int = 12,
                          min_len: int = 2, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """`n_batches` padded token micro-batches of `batch_size` random-length sequences (lesson 2)."""
+    n_batches, batch_size, vocab_size, max_len, min_len = (validate.positive_int(name, value) for name, value in (
+        ("n_batches", n_batches), ("batch_size", batch_size), ("vocab_size", vocab_size), ("max_len", max_len),
+        ("min_len", min_len)))
     examples = padded_token_examples(n_batches * batch_size, vocab_size, max_len, min_len, seed)
     return [collate_padded(examples[i * batch_size:(i + 1) * batch_size]) for i in range(n_batches)]
 

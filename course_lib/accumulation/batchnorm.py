@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from course_lib.errors import UserError
 from course_lib.accumulation.batches import batch_size, cast_batch, check_accumulation_steps
 from course_lib.accumulation.equivalence import DtypeComparison, _max_abs, _model_device, compare_accumulation
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss, default_loss
@@ -44,7 +45,7 @@ def replace_batchnorm(model: nn.Module, kind: str = "group", num_groups: int | N
     accuracy can change); it must be trained (or fine-tuned) that way.
     """
     if kind not in ("group", "layer"):
-        raise ValueError(f"unknown kind {kind!r}: use 'group' or 'layer'")
+        raise UserError(f"unknown kind {kind!r}: use 'group' or 'layer'")
 
     def make(module: nn.Module) -> nn.Module | None:
         if not isinstance(module, _BN):
@@ -116,7 +117,7 @@ def ghost_batchnorm(model: nn.Module, virtual_batch_size: int) -> nn.Module:
     not from the effective batch; it is not what plain BatchNorm on the whole batch computes.
     """
     if virtual_batch_size < 1:
-        raise ValueError("virtual_batch_size must be >= 1")
+        raise UserError("virtual_batch_size must be >= 1")
 
     def make(module: nn.Module) -> nn.Module | None:
         cls = _GHOST.get(type(module))
@@ -255,10 +256,10 @@ def compare_batchnorm_remedies(model: nn.Module, batch: Batch, k: int,
     """
     k = check_accumulation_steps(k)
     if not any(isinstance(m, _BN) for m in model.modules()):
-        raise ValueError("the model has no BatchNorm layer: nothing to remedy")
+        raise UserError("the model has no BatchNorm layer: nothing to remedy")
     n = batch_size(batch)
     if k > n or n % k:
-        raise ValueError(f"the batch of {n} rows must split evenly into k={k} micro-batches")
+        raise UserError(f"the batch of {n} rows must split evenly into k={k} micro-batches")
     variants = [
         ("BatchNorm (no remedy)", model),
         ("GroupNorm instead", replace_batchnorm(model, "group")),

@@ -18,12 +18,14 @@ from course_lib.accumulation.batches import padded_token_batches
 from course_lib.accumulation.loop import AccumulationLoop, TrainResult, max_weight_difference, train_whole_windows
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss
 from course_lib.accumulation.tiny_models import TinyTokenLM
+from course_lib import validate
+from course_lib.errors import UserError
 
 
 def _own_count(counts: list[int], i: int) -> int:
     if counts[i] == 0:
-        raise ValueError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
-                         "the global normalisation (sum / window count) has no such problem")
+        raise UserError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
+                        "the global normalisation (sum / window count) has no such problem")
     return counts[i]
 
 
@@ -139,12 +141,10 @@ DDP_MISTAKES = ("sync_every_micro_batch", "never_sync", "count_per_rank")
 
 def loop_class(mistakes: Sequence[str] = ()) -> type[AccumulationLoop]:
     """The reference loop for `()`, the broken loop for `(name,)`; one mistake at a time."""
-    mistakes = tuple(mistakes)
-    unknown = sorted(set(mistakes) - BROKEN_LOOPS.keys())
-    if unknown:
-        raise ValueError(f"unknown mistakes {unknown}: choose from {sorted(BROKEN_LOOPS)}")
+    mistakes = validate.choices("mistake", mistakes, sorted(BROKEN_LOOPS)) if isinstance(mistakes, str) or mistakes \
+        else ()
     if len(mistakes) > 1:
-        raise ValueError(f"one mistake at a time, got {mistakes}")
+        raise UserError(f"one mistake at a time, got {mistakes}")
     return BROKEN_LOOPS[mistakes[0]] if mistakes else AccumulationLoop
 
 
@@ -170,7 +170,7 @@ def demonstrate_mistakes(mistakes: Iterable[str] | None = None, seed: int = 0) -
     weight difference); "none" (the reference loop) first. The DDP mistakes need two processes: see
     `ddp_accumulation_demo`.
     """
-    names = ["none"] + list(mistakes if mistakes is not None else
+    names = ["none"] + list(validate.choices("mistakes", mistakes, sorted(BROKEN_LOOPS)) if mistakes is not None else
                             [m for m in BROKEN_LOOPS if m not in DDP_MISTAKES])
     batches = padded_token_batches(10, batch_size=3, seed=seed)
     loss = TokenLoss()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from course_lib.errors import UserError
 from course_lib.measure import SavedTensorRecorder, format_bytes, optimizer_state_tensors, peak_bytes, storage_bytes
 
 
@@ -70,7 +71,7 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
     device = torch.device(device) if device is not None else torch.device("cpu")
     for b in micro_batches:
         if b < 1 or effective_batch % b:
-            raise ValueError(f"micro-batch {b} does not divide the effective batch {effective_batch}")
+            raise UserError(f"micro-batch {b} does not divide the effective batch {effective_batch}")
     gen = torch.Generator().manual_seed(seed)
     x_all = torch.randn(effective_batch, seq_len, width, generator=gen).to(device)
     y_all = torch.randn(effective_batch, seq_len, width, generator=gen).to(device)

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler
 
-from course_lib.accumulation.batches import collate_padded, padded_token_batches, padded_token_examples
+from course_lib import validate
+from course_lib.accumulation.batches import check_accumulation_steps, collate_padded, padded_token_batches, padded_token_examples
 from course_lib.accumulation.broken import loop_class, sgd_and_schedule
 from course_lib.accumulation.equivalence import _max_abs
 from course_lib.accumulation.loop import max_weight_difference
@@ -184,7 +185,12 @@ def ddp_accumulation_demo(variants: Sequence[Sequence[str]] = ((),), world_size:
     gradient all-reduces of each window. Processes start with `spawn` on 127.0.0.1 and a free port;
     they are killed and an error is raised if they do not finish within `timeout_s`.
     """
-    variants = [tuple(v) for v in variants]
+    # one mistake's name is one variant, never its characters
+    variants = [tuple(v) if isinstance(v, (list, tuple)) else (v,) for v in validate.non_empty("variants", variants)]
+    world_size, n_micro, rows_per_rank = (validate.positive_int(name, value, maximum=most) for name, value, most in (
+        ("world_size", world_size, 64), ("n_micro", n_micro, 1000), ("rows_per_rank", rows_per_rank, 1000)))
+    check_accumulation_steps(accumulation_steps)
+    validate.positive("timeout_s", timeout_s)
     for v in variants:
         loop_class(v)  # an unknown mistake is refused before any process starts
     full, _ = _ddp_data(world_size, n_micro, rows_per_rank, seed)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from course_lib.errors import UserError
 from course_lib.accumulation.batches import batch_size, cast_batch, check_accumulation_steps, split_batch
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss, default_loss
 from course_lib.measure import PlainTextTable
@@ -146,8 +147,8 @@ def _relative(diff: float, reference: float) -> float:
 def _check_no_dropout(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            raise ValueError(f"{name or 'the model'} is Dropout(p={module.p}): the whole batch and the micro-batches "
-                             "would draw different masks, so the comparison would measure randomness. Set p=0.")
+            raise UserError(f"{name or 'the model'} is Dropout(p={module.p}): the whole batch and the micro-batches "
+                            "would draw different masks, so the comparison would measure randomness. Set p=0.")
 
 
 def micro_batch_losses(loss: SampleLoss | TokenLoss, normalization: str, counts: Sequence[int],
@@ -162,16 +163,16 @@ def micro_batch_losses(loss: SampleLoss | TokenLoss, normalization: str, counts:
     k = k_configured or len(counts)
     if normalization == "global":
         if total == 0:
-            raise ValueError("the window has no valid items (every label is ignore_index): "
-                             "its mean loss is 0/0; drop the window or fix the labels")
+            raise UserError("the window has no valid items (every label is ignore_index): "
+                            "its mean loss is 0/0; drop the window or fix the labels")
         return [lambda s: s / total for _ in counts]
     if normalization == "naive":
         for i, n in enumerate(counts):
             if n == 0:
-                raise ValueError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
-                                 "the global normalisation (sum / window count) has no such problem")
+                raise UserError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
+                                "the global normalisation (sum / window count) has no such problem")
         return [lambda s, n=n: s / n / k for n in counts]
-    raise ValueError(f"unknown normalization {normalization!r}: use 'global' or 'naive'")
+    raise UserError(f"unknown normalization {normalization!r}: use 'global' or 'naive'")
 
 
 def compare_accumulation(model: nn.Module, batch: Batch, k: int, loss: SampleLoss | TokenLoss | None = None, *,
@@ -204,8 +205,8 @@ def compare_accumulation(model: nn.Module, batch: Batch, k: int, loss: SampleLos
     counts = [loss.count(mb) for mb in micro]
     whole_count = loss.count(batch)
     if whole_count == 0:
-        raise ValueError("the batch has no valid items (every label is ignore_index): its mean loss is 0/0, "
-                         "so there is no gradient to compare")
+        raise UserError("the batch has no valid items (every label is ignore_index): its mean loss is 0/0, "
+                        "so there is no gradient to compare")
     scales = micro_batch_losses(loss, normalization, counts)
     comparisons = {}
     for dtype in dtypes:

@@ -22,6 +22,8 @@ from torch import nn
 from course_lib.accumulation.batches import check_accumulation_steps, concat_batches
 from course_lib.accumulation.equivalence import _max_abs, _model_device
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss
+from course_lib import validate
+from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
 
 
@@ -100,10 +102,10 @@ class AccumulationLoop:
                  scaler: torch.amp.GradScaler | None = None, autocast_dtype: torch.dtype | None = None,
                  empty_window: str = "error", progress: bool = True) -> None:
         self.k = check_accumulation_steps(accumulation_steps)
-        if empty_window not in ("error", "skip"):
-            raise ValueError(f"empty_window must be 'error' or 'skip', got {empty_window!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        validate.model_and_optimizer(model, optimizer)
+        validate.choice("empty_window", empty_window, ("error", "skip"))
+        if max_grad_norm is not None:
+            validate.positive("max_grad_norm (or None: no clipping)", max_grad_norm)
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.scheduler, self.max_grad_norm, self.scaler = scheduler, max_grad_norm, scaler
         self.autocast_dtype, self.empty_window, self.progress = autocast_dtype, empty_window, progress
@@ -178,8 +180,8 @@ class AccumulationLoop:
         items = self.window_items(counts)
         if items == 0:
             if self.empty_window == "error":
-                raise ValueError(f"window {self.result.windows} has no valid item (every label is ignore_index): "
-                                 "its mean loss is 0/0. Fix the data, or pass empty_window='skip'.")
+                raise UserError(f"window {self.result.windows} has no valid item (every label is ignore_index): "
+                                "its mean loss is 0/0. Fix the data, or pass empty_window='skip'.")
             self.result.empty_windows += 1
             return
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
@@ -206,6 +208,9 @@ class AccumulationLoop:
         """Train over `batches` (micro-batches), one optimizer step per window of K."""
         from tqdm.auto import tqdm  # off the import path: tqdm.auto imports ipywidgets in a notebook
 
+        if isinstance(batches, (str, bytes, dict)) or not isinstance(batches, Iterable):
+            raise UserError(f"batches must be a list (or an iterable) of micro-batches, got {type(batches).__name__}")
+
         total = math.ceil(len(batches) / self.k) if hasattr(batches, "__len__") else None
         self.model.train()
         self.zero_grad()
@@ -216,6 +221,8 @@ class AccumulationLoop:
                 if self.result.losses:
                     bar.set_postfix(loss=f"{self.result.losses[-1]:.4f}")
                 bar.update(1)
+        if not self.result.windows:
+            raise UserError("batches is empty: give at least one micro-batch to train on")
         return self.result
 
 
@@ -250,7 +257,7 @@ def train_whole_windows(model: nn.Module, optimizer: torch.optim.Optimizer, batc
         whole = concat_batches(window)
         n = loss.count(whole)
         if n == 0:
-            raise ValueError("a window has no valid item")
+            raise UserError("a window has no valid item")
         optimizer.zero_grad(set_to_none=True)
         s = loss.sum(model, whole)
         (s / n).backward()

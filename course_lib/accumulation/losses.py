@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.errors import UserError
+
 IGNORE_INDEX = -100
 
 Batch = Any  # a tuple (inputs, targets) or a dict of tensors (input_ids, attention_mask, labels)
@@ -32,10 +34,12 @@ class SampleLoss:
 
     def __init__(self, criterion: str = "mse") -> None:
         if criterion not in ("mse", "cross_entropy"):
-            raise ValueError(f"unknown criterion {criterion!r}: use 'mse' or 'cross_entropy'")
+            raise UserError(f"unknown criterion {criterion!r}: use 'mse' or 'cross_entropy'")
         self.criterion = criterion
 
     def count(self, batch: Batch) -> int:
+        _check_batch(batch, isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch)),
+                     "a pair (inputs, targets) of tensors, as regression_batches makes")
         return int(batch[0].shape[0])
 
     def sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -63,6 +67,9 @@ class TokenLoss:
         self.ignore_index = ignore_index
 
     def count(self, batch: Batch) -> int:
+        _check_batch(batch, isinstance(batch, dict) and all(torch.is_tensor(batch.get(key)) and batch[key].dim() == 2
+                                                            for key in ("input_ids", "labels")),
+                     "a dict with input_ids and labels tensors (batch, seq), as padded_token_batches makes")
         return int((batch["labels"][:, 1:] != self.ignore_index).sum())
 
     def sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -78,10 +85,17 @@ class TokenLoss:
         return f"TokenLoss(ignore_index={self.ignore_index})"
 
 
+def _check_batch(batch: Batch, fits: bool, what: str) -> None:
+    """One line for a micro-batch the loss cannot read, before any forward pass (lesson 2)."""
+    if not fits:
+        shown = repr(batch) if len(repr(batch)) < 60 else repr(batch)[:57] + "..."
+        raise UserError(f"each micro-batch must be {what}, got {shown} ({type(batch).__name__})")
+
+
 def default_loss(batch: Batch) -> SampleLoss | TokenLoss:
     """`TokenLoss` for a dict batch with labels, `SampleLoss("mse")` for a tuple batch."""
     if isinstance(batch, dict):
         if "labels" not in batch:
-            raise ValueError("a dict batch needs 'labels' (with ignore_index at padding) for TokenLoss")
+            raise UserError("a dict batch needs 'labels' (with ignore_index at padding) for TokenLoss")
         return TokenLoss()
     return SampleLoss("mse")

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.errors import UserError
+
 def _groups(channels: int, preferred: int = 32) -> int:
     """The GroupNorm group count for `channels`: the largest <= preferred with >= 2 channels per group."""
     for g in range(min(preferred, channels), 0, -1):
@@ -23,7 +25,7 @@ def _norm_layer(norm: str | None, width: int) -> nn.Module:
         return nn.BatchNorm1d(width)
     if norm == "group":
         return nn.GroupNorm(_groups(width), width)
-    raise ValueError(f"unknown norm {norm!r}: use None, 'layer', 'batch' or 'group'")
+    raise UserError(f"unknown norm {norm!r}: use None, 'layer', 'batch' or 'group'")
 
 
 def tiny_mlp(norm: str | None = "layer", in_features: int = 8, hidden: int = 16, out_features: int = 4,

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint, noop_context_fn
 
+from course_lib.errors import UserError
 from course_lib.checkpointing.plans import validate_plan
 from course_lib.checkpointing.selective import context_fn_for
 from course_lib.layers import find_layer_stack
@@ -115,13 +116,13 @@ class AppliedPlan:
         self.open: _OpenSegment | None = None
         for layer in self.layers:
             if getattr(layer, "gradient_checkpointing", False):
-                raise ValueError("the model's own gradient checkpointing is on: call "
-                                 "course_lib.checkpointing.hf_checkpointing(model, False) (or "
-                                 "model.gradient_checkpointing_disable()) before applying a plan, or layers "
-                                 "would be checkpointed twice")
+                raise UserError("the model's own gradient checkpointing is on: call "
+                                "course_lib.checkpointing.hf_checkpointing(model, False) (or "
+                                "model.gradient_checkpointing_disable()) before applying a plan, or layers "
+                                "would be checkpointed twice")
             if getattr(layer, "_course_plan", None) is not None:
-                raise ValueError("a checkpoint plan is applied to this stack already (a plan applied twice?): "
-                                 "remove the other plan first")
+                raise UserError("a checkpoint plan is applied to this stack already (a plan applied twice?): "
+                                "remove the other plan first")
         self.segment_of = {i: (a, b) for a, b in self.plan for i in range(a, b)}
         self._handles = []
         for index, layer in enumerate(self.layers):
@@ -137,7 +138,7 @@ class AppliedPlan:
         if self.open is not None:
             self.open.abort()
             self.open = None
-        raise ValueError(f"apply_plan cannot run this exactly: {message}")
+        raise UserError(f"apply_plan cannot run this exactly: {message}")
 
     def _pre(self, index: int):
         def hook(module, args, kwargs):
@@ -274,7 +275,7 @@ def hf_checkpointing(model: nn.Module, enable: bool = True, *, use_reentrant: bo
     if method.__name__ == new:
         method(activation_checkpointing_kwargs=kwargs, **extra)
     elif extra:
-        raise ValueError("every_n_layers needs transformers >= 5.23 (activation_checkpointing_enable)")
+        raise UserError("every_n_layers needs transformers >= 5.23 (activation_checkpointing_enable)")
     else:
         method(gradient_checkpointing_kwargs=kwargs)
 

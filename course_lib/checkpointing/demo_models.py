@@ -7,6 +7,7 @@ import re
 import torch
 from torch import nn
 
+from course_lib.errors import UserError
 from course_lib.models import supported_attention
 
 
@@ -18,7 +19,7 @@ def mlp_stack(n_layers: int, width: int, activation: str = "relu") -> nn.Sequent
     """
     acts = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
     if activation not in acts:
-        raise ValueError(f"activation must be one of {', '.join(acts)}, got {activation!r}")
+        raise UserError(f"activation must be one of {', '.join(acts)}, got {activation!r}")
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), acts[activation]())
                            for _ in range(n_layers)])
 
@@ -62,9 +63,9 @@ def uneven_stack(spec: str, width: int) -> nn.Sequential:
         elif re.fullmatch(r"mlp\d+", token) and int(token[3:]) >= 1:
             layers.append(ResidualMLP(width, int(token[3:])))
         else:
-            raise ValueError(f"unknown layer {token!r} in {spec!r}: use mlpK (K >= 1) or pw")
+            raise UserError(f"unknown layer {token!r} in {spec!r}: use mlpK (K >= 1) or pw")
     if not layers:
-        raise ValueError("the spec names no layer")
+        raise UserError("the spec names no layer")
     return nn.Sequential(*layers)
 
 
@@ -96,7 +97,7 @@ def _decoder_config(arch: str, *, n_layers, hidden, heads, intermediate, vocab, 
             vocab_size=vocab, n_embd=hidden, n_layer=n_layers, n_head=heads, n_inner=intermediate,
             n_positions=4096, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             bos_token_id=vocab - 1, eos_token_id=vocab - 1)
-    raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    raise UserError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
 
 
 def tiny_decoder(arch: str = "llama", *, n_layers: int = 8, hidden: int = 128, heads: int = 4,

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from course_lib.errors import UserError
+
 
 def _loss_of(output) -> torch.Tensor:
     loss = getattr(output, "loss", None)
@@ -16,7 +18,7 @@ def _loss_of(output) -> torch.Tensor:
         tensor = output if isinstance(output, torch.Tensor) else (
             getattr(output, "logits", None) if not isinstance(output, (tuple, list)) else output[0])
         if tensor is None:
-            raise ValueError("cannot find a loss in the model's output: pass loss_fn(output) -> scalar")
+            raise UserError("cannot find a loss in the model's output: pass loss_fn(output) -> scalar")
         loss = tensor.float().pow(2).mean()
     return loss
 

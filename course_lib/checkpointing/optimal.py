@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from course_lib.errors import UserError
 from course_lib.checkpointing.plans import Plan, StackModel, _check_n
 from course_lib.measure import format_bytes
 
@@ -94,12 +95,12 @@ def optimal_plan(saved_bytes: Sequence[int], input_bytes: Sequence[int], budget_
     feasible memory when no plan fits.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes >= 0:
-        raise ValueError(f"budget_bytes must be a non-negative number of bytes, got {budget_bytes!r}")
+        raise UserError(f"budget_bytes must be a non-negative number of bytes, got {budget_bytes!r}")
     frontier = plan_frontier(saved_bytes, input_bytes, **model_kwargs)
     fitting = [plan for peak, _, plan in frontier if peak <= budget_bytes]
     if not fitting:
         minimum, _, plan = frontier[0]
-        raise ValueError(f"budget of {int(budget_bytes)} bytes ({format_bytes(budget_bytes)}) is below the minimum "
-                         f"feasible activation memory of {minimum} bytes ({format_bytes(minimum)}) for these layers, "
-                         f"reached by the plan {plan}")
+        raise UserError(f"budget of {int(budget_bytes)} bytes ({format_bytes(budget_bytes)}) is below the minimum "
+                        f"feasible activation memory of {minimum} bytes ({format_bytes(minimum)}) for these layers, "
+                        f"reached by the plan {plan}")
     return fitting[-1]  # the frontier's peaks ascend and recomputes descend: the last that fits

@@ -22,13 +22,15 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from course_lib.errors import UserError
+
 Plan = list[tuple[int, int]]
 PLAN_NAMES = ("none", "every-layer", "sqrt", "every-K", "hf-every-K")
 
 
 def _check_n(n_layers) -> None:
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
+        raise UserError(f"n_layers must be a positive integer, got {n_layers!r}")
 
 
 def named_plan(n_layers: int, name: str) -> Plan:
@@ -46,7 +48,7 @@ def named_plan(n_layers: int, name: str) -> Plan:
     """
     _check_n(n_layers)
     if not isinstance(name, str):
-        raise ValueError(f"plan must be a string, one of {', '.join(PLAN_NAMES)}; got {name!r}")
+        raise UserError(f"plan must be a string, one of {', '.join(PLAN_NAMES)}; got {name!r}")
     key = name.strip().lower()
     if key == "none":
         return []
@@ -58,12 +60,12 @@ def named_plan(n_layers: int, name: str) -> Plan:
     if match:
         size = int(match.group(2))
         if size < 1:
-            raise ValueError(f"plan {name!r}: K in every-K must be at least 1")
+            raise UserError(f"plan {name!r}: K in every-K must be at least 1")
         if match.group(1):
             return [(i, i + 1) for i in range(0, n_layers, size)]
         return [(i, min(i + size, n_layers)) for i in range(0, n_layers, size)]
-    raise ValueError(f"unknown checkpointing plan {name!r}: use one of none, every-layer, sqrt, every-K, "
-                     f"hf-every-K (K a positive integer, e.g. every-2)")
+    raise UserError(f"unknown checkpointing plan {name!r}: use one of none, every-layer, sqrt, every-K, "
+                    f"hf-every-K (K a positive integer, e.g. every-2)")
 
 
 def segments_plan(n_layers: int, k: int, *, checkpoint_last: bool = False) -> Plan:
@@ -75,7 +77,7 @@ def segments_plan(n_layers: int, k: int, *, checkpoint_last: bool = False) -> Pl
     """
     _check_n(n_layers)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_layers:
-        raise ValueError(f"k must be an integer from 1 to n_layers={n_layers}, got {k!r}")
+        raise UserError(f"k must be an integer from 1 to n_layers={n_layers}, got {k!r}")
     size, extra = divmod(n_layers, k)
     segments, at = [], 0
     for j in range(k):
@@ -92,19 +94,19 @@ def validate_plan(plan, n_layers: int) -> Plan:
     try:
         pairs = [tuple(segment) for segment in plan]
     except TypeError:
-        raise ValueError(f"a plan is a list of (start, end) segments or a plan name, got {plan!r}") from None
+        raise UserError(f"a plan is a list of (start, end) segments or a plan name, got {plan!r}") from None
     for pair in pairs:
         if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
-            raise ValueError(f"each segment is a pair of integers (start, end), got {pair!r} in {plan!r}")
+            raise UserError(f"each segment is a pair of integers (start, end), got {pair!r} in {plan!r}")
     segments = [(int(a), int(b)) for a, b in pairs]
     for a, b in segments:
         if not 0 <= a < b <= n_layers:
-            raise ValueError(f"segment ({a}, {b}) out of range: a stack of {n_layers} layers takes segments "
-                             f"(start, end) with 0 <= start < end <= {n_layers} (end exclusive)")
+            raise UserError(f"segment ({a}, {b}) out of range: a stack of {n_layers} layers takes segments "
+                            f"(start, end) with 0 <= start < end <= {n_layers} (end exclusive)")
     for (a, b), (c, d) in zip(segments, segments[1:]):
         if c < b:
-            raise ValueError(f"segments ({a}, {b}) and ({c}, {d}) are not sorted and disjoint: each segment "
-                             "starts at or after the end of the one before")
+            raise UserError(f"segments ({a}, {b}) and ({c}, {d}) are not sorted and disjoint: each segment "
+                            "starts at or after the end of the one before")
     return segments
 
 
@@ -133,9 +135,9 @@ def _as_sizes(values: Sequence[int] | None, name: str, n: int, default: int = 0)
         return [default] * n
     sizes = [int(v) for v in values]
     if len(sizes) != n:
-        raise ValueError(f"{name} must have one entry per layer ({n}), got {len(sizes)}")
+        raise UserError(f"{name} must have one entry per layer ({n}), got {len(sizes)}")
     if any(v < 0 for v in sizes):
-        raise ValueError(f"{name} must be non-negative byte counts, got {sizes}")
+        raise UserError(f"{name} must be non-negative byte counts, got {sizes}")
     return sizes
 
 
@@ -147,7 +149,7 @@ class StackModel:
         saved = [int(v) for v in saved_bytes]
         n = len(saved)
         if n == 0:
-            raise ValueError("saved_bytes must have one entry per layer (got an empty list)")
+            raise UserError("saved_bytes must have one entry per layer (got an empty list)")
         self.n = n
         self.saved = _as_sizes(saved, "saved_bytes", n)
         self.inputs = _as_sizes(input_bytes, "input_bytes", n)
@@ -155,16 +157,16 @@ class StackModel:
         self.transient = _as_sizes(transient_bytes, "transient_bytes", n)
         flags = [False] * n if output_saved is None else [bool(f) for f in output_saved]
         if len(flags) != n:
-            raise ValueError(f"output_saved must have one entry per layer ({n}), got {len(flags)}")
+            raise UserError(f"output_saved must have one entry per layer ({n}), got {len(flags)}")
         self.out = self.inputs[-1] if output_bytes is None else int(output_bytes)
         head = self.out if head_bytes is None else int(head_bytes)
         self.head_grads = int(head_grad_bytes)
         if min(self.out, head, self.head_grads) < 0:
-            raise ValueError("output_bytes, head_bytes and head_grad_bytes must be non-negative")
+            raise UserError("output_bytes, head_bytes and head_grad_bytes must be non-negative")
         self.turn = self.out + head  # the output and the head's peak beside everything the stack holds
         costs = [1.0] * n if compute is None else [float(c) for c in compute]
         if len(costs) != n or any(not c >= 0 for c in costs):
-            raise ValueError(f"compute must have one non-negative entry per layer (got {list(costs)})")
+            raise UserError(f"compute must have one non-negative entry per layer (got {list(costs)})")
         self.costs = costs
         self.total_cost = sum(costs)
         # grad_of_output[i]: the gradient arriving at layer i (its output's size)
@@ -195,7 +197,7 @@ class StackModel:
         for end, peak in self.backward_peaks(a, checked):
             if end == b:
                 return peak
-        raise ValueError(f"no unit ({a}, {b})")
+        raise UserError(f"no unit ({a}, {b})")
 
     def units(self, plan: Plan) -> list[tuple[int, int, bool]]:
         """The stack as (start, end, checkpointed) units in order: unchecked layers one by one,

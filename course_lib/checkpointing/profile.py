@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from course_lib.errors import UserError
 from course_lib.checkpointing.optimal import optimal_plan, plan_frontier
 from course_lib.checkpointing.plans import Plan, PlanCost, plan_cost
 from course_lib.layers import find_layer_stack
@@ -108,7 +109,7 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
     layers = list(stack if stack is not None else find_layer_stack(model))
     n = len(layers)
     if any(getattr(layer, "_course_plan", None) is not None for layer in layers):
-        raise ValueError("a checkpoint plan is applied to this stack: profile it without (remove the plan)")
+        raise UserError("a checkpoint plan is applied to this stack: profile it without (remove the plan)")
     model_tensors = list(model.parameters()) + list(model.buffers())
     params = set(unique_storages(model_tensors))
     inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
@@ -174,7 +175,7 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
     grad_bytes = [storage_bytes(p.grad for p in layer.parameters() if p.grad is not None) for layer in layers]
     model.zero_grad(set_to_none=True)
     if "forward_end" not in marks or ("bwd", n - 1) not in marks:
-        raise ValueError("the stack's output got no gradient: is the loss computed from the stack?")
+        raise UserError("the stack's output got no gradient: is the loss computed from the stack?")
 
     timeline = [current for _, current in tracker.timeline]
 

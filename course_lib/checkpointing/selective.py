@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from course_lib.errors import UserError
+
 LINEAR_OPS = tuple(getattr(torch.ops.aten, name) for name in ("mm", "addmm") if hasattr(torch.ops.aten, name))
 ATTENTION_OPS = tuple(getattr(torch.ops.aten, name) for name in (
     "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -70,10 +72,10 @@ def context_fn_for(policy) -> Callable | None:
 
     if isinstance(policy, str):
         if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: use 'full', one of {', '.join(POLICIES)}, or a policy "
-                             "function (ctx, op, *args, **kwargs) -> CheckpointPolicy")
+            raise UserError(f"unknown policy {policy!r}: use 'full', one of {', '.join(POLICIES)}, or a policy "
+                            "function (ctx, op, *args, **kwargs) -> CheckpointPolicy")
         policy = POLICIES[policy]
     elif not callable(policy):
-        raise ValueError(f"a policy is a name or a function (ctx, op, *args, **kwargs) -> CheckpointPolicy, "
-                         f"got {policy!r}")
+        raise UserError(f"a policy is a name or a function (ctx, op, *args, **kwargs) -> CheckpointPolicy, "
+                        f"got {policy!r}")
     return functools.partial(create_selective_checkpoint_contexts, policy)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nbformat
 
+from course_lib.errors import UserError
 from course_lib.course import colab_url
 from course_lib.exercises.kernelspec import jupyterlab_kernelspec
 
@@ -36,18 +37,18 @@ def strip_solutions(source: str, where: str = "cell") -> str:
         marker = line.strip()
         if marker == BEGIN:
             if inside:
-                raise ValueError(f"{where}: {BEGIN} inside another solution block")
+                raise UserError(f"{where}: {BEGIN} inside another solution block")
             inside, found = True, True
             indent = line[: len(line) - len(line.lstrip())]
             out += [indent + stub for stub in STUB]
         elif marker == END:
             if not inside:
-                raise ValueError(f"{where}: {END} without {BEGIN}")
+                raise UserError(f"{where}: {END} without {BEGIN}")
             inside = False
         elif not inside:
             out.append(line)
     if inside:
-        raise ValueError(f"{where}: {BEGIN} without {END}")
+        raise UserError(f"{where}: {BEGIN} without {END}")
     return "\n".join(out) if found else source
 
 
@@ -67,7 +68,7 @@ def protected_cells(notebook: nbformat.NotebookNode, where: str = "notebook") ->
                 continue
             first = False
             if not cell.get("id"):
-                raise ValueError(f"{where} cell {index}: no cell id; save the notebook with JupyterLab 3 or later")
+                raise UserError(f"{where} cell {index}: no cell id; save the notebook with JupyterLab 3 or later")
             cells.append({"id": cell.id, "role": role, "label": label, "sha256": source_hash(cell.source)})
     return cells
 
@@ -87,10 +88,10 @@ def make_exercise(solution: nbformat.NotebookNode, solution_path: str, exercise_
         elif cell.cell_type == "markdown":
             cell.source = cell.source.replace(colab_url(solution_path), colab_url(exercise_path))
     if not stubs:
-        raise ValueError(f"{solution_path}: no {BEGIN} ... {END} block, so no exercise to make")
+        raise UserError(f"{solution_path}: no {BEGIN} ... {END} block, so no exercise to make")
     checks = protected_cells(exercise, solution_path)
     if not any(cell["role"] == "check" for cell in checks):
-        raise ValueError(f"{solution_path}: no check cell (a code cell calling checks.check_...) to grade it by")
+        raise UserError(f"{solution_path}: no check cell (a code cell calling checks.check_...) to grade it by")
     exercise.metadata[METADATA] = {"exercise": Path(exercise_path).stem, "cells": checks}
     return exercise
 

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from course_lib import checkpointing
-from course_lib.memory.setup import Setup, itemsize
+from course_lib import checkpointing, validate
+from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.states import ModelStates, optimizer_step_extra
 from course_lib.models import ModelSpec
 
@@ -17,6 +17,8 @@ def korthikanti_bytes(batch: int, seq: int, hidden: int, heads: int, layers: int
     """Korthikanti et al. 2022: activations of a transformer, sbh(34 + 5as/h) bytes per layer
     (16-bit, with dropout masks, 4h MLP, no recompute). Shown beside the traced value, not trusted:
     real implementations store more or less (lesson 3)."""
+    batch, seq, hidden, heads, layers = (validate.positive_int(name, value, error=PlanError) for name, value in (
+        ("batch", batch), ("seq", seq), ("hidden", hidden), ("heads", heads), ("layers", layers)))
     return int(layers * seq * batch * hidden * (34 + 5 * heads * seq / hidden))
 
 

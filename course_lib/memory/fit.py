@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from course_lib import validate
 from course_lib.memory.gpus import GPU, get_gpu
 from course_lib.memory.prediction import Plan, Trick, predict
 from course_lib.memory.setup import DEFAULT_LORA_RANK, SHARDS, PlanError, Setup
@@ -66,6 +67,7 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
     saves in the final setup (the peak without it, the others kept, less the final peak; None when
     another needs it, as QLoRA needs LoRA); `total_after` and `setup` are cumulative.
     """
+    validate.instance("setup", setup, Setup, "a memory.Setup", error=PlanError)
     card = get_gpu(gpu)
     current = current or predict(model, setup, card)
     kept: list[tuple[str, dict, bool]] = []  # (name, the fields it changes, exact?)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 
+from course_lib import validate
 from course_lib.memory.elsewhere import where_it_fits
 from course_lib.memory.fit import what_makes_it_fit
 from course_lib.memory.gpus import GPU, default_precision, get_gpu
@@ -27,7 +28,8 @@ def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gp
     if setup is None and "precision" not in options:  # the GPU's precision, as `course-lib plan` picks it
         options["precision"] = default_precision(get_gpu(gpu) if gpu is not None else None,
                                                  options.get("quant", "none"), options.get("gpus"))
-    setup = (setup or Setup())
+    setup = validate.instance("setup", setup or Setup(), Setup, "a memory.Setup (or None, with keyword options)",
+                              error=PlanError)
     if options:
         unknown = set(options) - set(Setup.__dataclass_fields__)
         if unknown:

@@ -155,12 +155,18 @@ class Plan:
         return wrapped("\n".join(lines))
 
 
+MAX_PARAMS = 10**15  # a thousand times the largest models trained: what is above is a typo
+
+
 def _resolve(model) -> tuple[ModelSpec | None, int, str]:
     if isinstance(model, ModelSpec):
         return model, model.n_params, model.name
     if isinstance(model, (int, float)) and not isinstance(model, bool):
         if not math.isfinite(model) or model <= 0 or model != int(model):
             raise PlanError(f"--params must be a positive whole number of parameters, got {model!r}")
+        if model > MAX_PARAMS:
+            raise PlanError(f"--params {model:g} is beyond any model (the largest trained have about 2e12 "
+                            f"parameters): give at most {MAX_PARAMS:.0e}")
         return None, int(model), f"{int(model):,} parameters"
     spec = model_spec(model)
     return spec, spec.n_params, spec.name
@@ -169,6 +175,9 @@ def _resolve(model) -> tuple[ModelSpec | None, int, str]:
 def predict(model, setup: Setup, card: GPU | None) -> Plan:
     """The plan of one validated setup, without "what makes it fit" (`planner.plan` adds it)."""
     spec, n_params, name = _resolve(model)
+    if setup.shard != "none" and setup.gpus > n_params:
+        raise PlanError(f"--gpus {setup.gpus} with --shard {setup.shard}: more GPUs than the model's {n_params:,} "
+                        "parameters, so some GPUs would hold no shard at all; use at most as many GPUs as parameters")
     warned = _check_setup_for(spec, name, setup)
     cuda = card is not None
     if setup.compute_name == "bf16" and card is not None and not card.bf16:
@@ -221,12 +230,16 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"overhead: CUDA context and libraries, about {format_bytes(CUDA_CONTEXT_BYTES)} "
                      "(300 to 700 MB, docs/references.md#pytorch-issue-28113-memory-used-when-cuda-starts), "
                      "not seen by torch.cuda.memory_allocated")
-    if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None:  # one GPU: all of sqrt(v)
+    if cuda and setup.optimizer == "adamw" and spec is not None and setup.gpus is None \
+            and not setup.optimizer_in_backward:  # one GPU, one step of all tensors: all of sqrt(v) at once
         notes.append("torch AdamW's default (foreach) step on CUDA makes sqrt(v) for all tensors at once: "
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
                      "(in optimizer_temporaries when the step holds the peak); "
                      "--optimizer adamw_fused (fused=True, the Trainer's adamw_torch_fused) avoids it")
-    if spec is not None:
+    if spec is not None and setup.loop == "keep-outputs" and setup.chunked_loss is not None:
+        notes.append("loop keep-outputs with the chunked loss: the chunked loss makes no full logits, so the loop "
+                     "keeps none (the same bytes as --loop trainer)")
+    elif spec is not None:
         notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
                      "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
                      "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")
@@ -294,6 +307,11 @@ def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[st
             raise PlanError(f"lora rank {setup.lora_rank} is above the rank of every layer it adapts (at most "
                             f"{widest}): a rank-r adapter costs r x (in + out) values per layer; use r <= {widest}")
     positions = getattr(spec.config, "max_position_embeddings", None)
+    learned = [info.name for info in spec.params if info.module == "embedding" and info.shape[0] == positions
+               and positions != getattr(spec.config, "vocab_size", None)]
+    if isinstance(positions, int) and setup.seq > positions and learned:
+        raise PlanError(f"seq {setup.seq} is beyond {name}'s {positions} learned positions ({learned[0]} has a row for "
+                        f"each of them, none for position {positions}): use --seq {positions} or less")
     if isinstance(positions, int) and setup.seq > positions:
         return [f"WARNING: seq {setup.seq} is beyond {name}'s {positions} positions (max_position_embeddings): "
                 "the model as configured cannot train on it; this plans it as if it could (for a longer context, "

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib import checkpointing
+from course_lib import checkpointing, validate
+from course_lib.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "mixed-bf16-fp32grads", "mixed-fp16-fp32grads",
               "amp-bf16", "amp-fp16")
@@ -25,7 +26,7 @@ DEFAULT_LORA_RANK = 16
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A setup the planner cannot plan: the message says what to change (lesson 1)."""
 
 
@@ -100,8 +101,19 @@ class Setup:
     chunked_loss: int | None = None
     offload_activations: bool = False
 
+    def __post_init__(self) -> None:
+        # one module name is one target (never its characters); a list becomes a tuple (hashable)
+        if self.lora_targets != "all-linear" and isinstance(self.lora_targets, (str, list)):
+            object.__setattr__(self, "lora_targets", validate.strings("lora_targets", self.lora_targets, error=PlanError))
+
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
+        validate.strict_bool("prepare_kbit", self.prepare_kbit, error=PlanError)
+        if self.lora_targets != "all-linear":
+            validate.strings("lora_targets", self.lora_targets, error=PlanError)
+        if self.prepare_kbit and self.lora_rank == 0:
+            raise PlanError("prepare_kbit with a full fine-tune (lora_rank 0): peft's prepare_model_for_kbit_training "
+                            "freezes every parameter, so nothing would train; give lora_rank R > 0, or prepare_kbit=False")
         for value, options, what in ((self.precision, PRECISIONS, "precision"),
                                      (self.optimizer, OPTIMIZERS, "optimizer"),
                                      (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention"),

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from course_lib import validate
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.models import ModelSpec, ParamInfo
 
@@ -53,6 +54,8 @@ def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
     float32 code table; with double quantization the absmax is uint8 (blocks of 256 with a float32
     absmax each), plus a float32 offset and a 256-entry float32 code table.
     """
+    numel = validate.non_negative_int("numel", numel, error=PlanError)
+    validate.strict_bool("double_quant", double_quant, error=PlanError)
     blocks = math.ceil(numel / NF4_BLOCK)
     packed = math.ceil(numel / 2)
     if not double_quant:

@@ -73,6 +73,11 @@ def toolbox_notes(setup, trace, card=None) -> tuple[list[str], dict]:
     if setup.chunked_loss is not None:
         notes.append(f"chunked loss: the output layer and the loss run {setup.chunked_loss} tokens at a time, each "
                      "chunk's logits recomputed in backward (lesson 7)")
+        tokens = setup.batch * setup.seq
+        if setup.chunked_loss >= tokens:
+            notes.append(f"chunked loss of {setup.chunked_loss} tokens a chunk: the micro-batch has {tokens} "
+                         f"(batch {setup.batch} x seq {setup.seq}), so it is one chunk and backward rebuilds all of "
+                         f"its logits at once; a chunk below {tokens} tokens is what saves memory")
     if setup.offload_activations:
 
         rate = PCIE3_X16 if card is None else card.host_link_bytes_per_s

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.measure import optimizer_state_tensors, storage_bytes
 
 
@@ -29,9 +30,9 @@ class CPUOffloadAdamW:
                  *, offload_gradients: bool = True) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
-            raise ValueError("CPUOffloadAdamW got no parameters that require grad")
+            raise UserError("CPUOffloadAdamW got no parameters that require grad")
         if lr <= 0:
-            raise ValueError(f"lr must be positive, got {lr}")
+            raise UserError(f"lr must be positive, got {lr}")
         self.offload_gradients = offload_gradients
         self.cuda = any(p.is_cuda for p in self.params)
         self.stream = torch.cuda.Stream() if self.cuda else None

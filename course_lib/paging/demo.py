@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib import isolate
 from course_lib.checkpointing import mlp_stack
 from course_lib.device import synchronize
@@ -46,7 +47,7 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 
     makers = {"paged_adamw_32bit": bnb.optim.PagedAdamW32bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
               "adamw_32bit": bnb.optim.AdamW32bit, "adamw_8bit": bnb.optim.AdamW8bit}
     if name not in makers:
-        raise ValueError(f"unknown optimizer {name!r}: use one of {('adamw', 'cpu_offload_adamw', *makers)}")
+        raise UserError(f"unknown optimizer {name!r}: use one of {('adamw', 'cpu_offload_adamw', *makers)}")
     return makers[name](params, lr=lr)
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from course_lib import validate
 from course_lib.caching_allocator import MIN_BLOCK
-from course_lib.caching_allocator import round_size as block_bytes, segment_size as segment_bytes
+from course_lib.caching_allocator import round_size, segment_size as segment_bytes
+from course_lib.errors import UserError
 from course_lib.measure import GiB, KiB, MiB
 
 GB = 10**9
@@ -33,7 +35,7 @@ T4_MEMORY_BANDWIDTH = 320e9       # GDDR6
 ALLOCATOR_ROUND = MIN_BLOCK         # torch's caching allocator: kMinBlockSize (course_lib.caching_allocator)
 
 
-class PagingError(ValueError):
+class PagingError(UserError):
     """Bad input to the simulator: a parameter out of range or a trace that makes no sense (lesson 4)."""
 
 
@@ -50,8 +52,13 @@ class OutOfDeviceMemory(RuntimeError):
 
 
 def _positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise PagingError(f"{name} must be a positive finite number, got {value!r}")
+    validate.positive(name, value, error=PagingError)
+
+
+def _share_of_the_link(prefetch_efficiency: float) -> None:
+    """Unified-memory transfers move at most at the link's rate: a share above 0, at most 1."""
+    validate.finite("prefetch_efficiency (a share of the link's bandwidth)", prefetch_efficiency, above=0, at_most=1,
+                    error=PagingError)
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,8 @@ class Hardware:
         tensor-core work); PCIe 3.0 x16 (15.75 GB/s each way) with unified-memory transfers at about
         half of it (bitsandbytes' docs). Assumed, with no source: pinned copies at 80% of the link,
         500 M parameters/s of host AdamW (lesson 4 measures your CPU's)."""
-        _positive("prefetch_efficiency", prefetch_efficiency)
+        context = validate.non_negative_int("context (bytes)", context, error=PagingError)
+        _share_of_the_link(prefetch_efficiency)
         _positive("flops", flops)
         return cls(name="T4 (PCIe 3.0 x16)", memory=15360 * MiB - context,
                    h2d_bandwidth=prefetch_efficiency * PCIE3_X16,
@@ -107,6 +115,7 @@ class Hardware:
                   prefetch_efficiency: float = 0.5) -> Hardware:
         """The setting of bitsandbytes' documented estimate: PCIe 3.0 x16 "at 16 GB/s", unified
         memory at half of it. The 125 ms per GB evicted follows from these inputs (1/(16*0.5) s)."""
+        _share_of_the_link(prefetch_efficiency)
         return cls(name="PCIe 3.0 x16 (bitsandbytes' estimate)", memory=memory,
                    h2d_bandwidth=prefetch_efficiency * link_bandwidth,
                    d2h_bandwidth=prefetch_efficiency * link_bandwidth,
@@ -166,12 +175,22 @@ class Policy:
         return cls(granularity=4 * KiB, eviction_unit=4 * KiB, eviction="lru", density_prefetch=False)
 
 
+def block_bytes(nbytes: int) -> int:
+    """The bytes PyTorch's caching allocator hands out for a request of `nbytes` (lesson 4; its rules:
+    `course_lib.caching_allocator`, which the planner's replay calls unchecked)."""
+    validate.finite("nbytes", nbytes, at_least=0, error=PagingError)
+    return round_size(nbytes)
+
+
 def sweep_faults(leaves: int, missing: int, threshold: float = 0.51) -> int:
     """Faults of a sequential sweep over one 2 MB block of `leaves` pages, of which the first
     `missing` are not resident, with the driver's density prefetcher (lesson 4): each fault makes its
     page resident, then grows the migration to the largest aligned power-of-two subregion of the
     block's bitmap tree that is more than `threshold` resident (counting the faulted page). A whole 2 MB block of 64 KB pages
     takes 6 faults, of 4 KB pages 17."""
+    leaves = validate.positive_int("leaves (pages of the 2 MB block)", leaves, maximum=4096, error=PagingError)
+    missing = validate.non_negative_int("missing", missing, error=PagingError)
+    validate.probability("threshold", threshold, error=PagingError)
     if not 0 <= missing <= leaves:
         raise PagingError(f"missing must be between 0 and {leaves}, got {missing}")
     return _sweep_faults(int(leaves), int(missing), float(threshold))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from course_lib import validate
 from course_lib.measure import MiB, format_bytes
 from course_lib.paging.policies import GB, Hardware, PagingError, Policy, _positive
 from course_lib.paging.simulator import SimulationResult, simulate
@@ -40,7 +41,9 @@ def simulate_offload(setup: TrainingSetup, tokens: int, hardware: Hardware | Non
     it: gradients copied to pinned host memory in post-accumulate-grad hooks (overlapping the rest
     of backward), the AdamW step on the CPU, parameters copied back (overlapping the next
     parameter's CPU step). The cost is paid every step, whether memory is short or not."""
-    hw = hardware or Hardware.t4()
+    validate.instance("setup", setup, TrainingSetup, "a paging.TrainingSetup", error=PagingError)
+    tokens = validate.non_negative_int("tokens", tokens, error=PagingError)
+    hw = validate.instance("hardware", hardware or Hardware.t4(), Hardware, "a paging.Hardware", error=PagingError)
     cat = setup.bytes_by_category(tokens)
     trainable = [p for p in setup.params if p.trainable]
     flops_per_token = setup.flops_per_token if setup.flops_per_token is not None else 6.0 * setup.n_params
@@ -196,6 +199,5 @@ def bnb_estimate_ms(evicted_gb: float, link_gb_per_s: float = 16.0, efficiency: 
     evicted_gb / (link * efficiency) seconds (1 GB on PCIe 3.0 x16: 125 ms)."""
     _positive("link_gb_per_s", link_gb_per_s)
     _positive("efficiency", efficiency)
-    if evicted_gb < 0:
-        raise PagingError(f"evicted_gb must be >= 0, got {evicted_gb}")
+    validate.finite("evicted_gb", evicted_gb, at_least=0, error=PagingError)
     return 1e3 * evicted_gb / (link_gb_per_s * efficiency)

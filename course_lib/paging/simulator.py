@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from course_lib import validate
 from course_lib.measure import format_bytes
 from course_lib.paging.policies import (ROOT_CHUNK, VA_BLOCK, Hardware, OutOfDeviceMemory, PagingError, Policy,
                                         block_bytes, segment_bytes, sweep_faults)
@@ -331,7 +332,7 @@ def simulate(trace: Sequence[Event], hardware: Hardware | None = None, policy: P
         raise PagingError(f"hardware must be a paging.Hardware, got {type(hardware).__name__}")
     if not isinstance(policy, Policy):
         raise PagingError(f"policy must be a paging.Policy, got {type(policy).__name__}")
-    trace = list(trace)
+    trace = validate.non_empty("trace", trace, "events (paging.alloc, touch, free, ...)", error=PagingError)
     sim = _Simulator(hardware, policy, caching_allocator, record_timeline)
     oom = sim.run(trace)
     completed = {e.step for e in trace} if oom is None else set(range(oom.step))

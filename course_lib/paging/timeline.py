@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib.errors import UserTypeError
 from course_lib.device import synchronize
 
 
@@ -30,7 +31,7 @@ class PrefetchTimeline:
 
     def __init__(self, optimizer) -> None:
         if not hasattr(optimizer, "prefetch_state") or not hasattr(optimizer, "update_step"):
-            raise TypeError("PrefetchTimeline needs a bitsandbytes optimizer (prefetch_state, update_step)")
+            raise UserTypeError("PrefetchTimeline needs a bitsandbytes optimizer (prefetch_state, update_step)")
         self.optimizer = optimizer
         self.entries: list[TimelineEntry] = []
         self.t0 = time.perf_counter()

@@ -14,9 +14,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from course_lib import validate
 from course_lib.paging.policies import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, OPTIMIZERS,
                                         ROOT_CHUNK, PagingError)
 
+MAX_LAYERS = 10_000  # more decoder layers than any model has (the deepest have about a hundred)
 OPS = ("alloc", "free", "touch", "prefetch", "compute", "empty_cache")
 
 
@@ -90,9 +92,9 @@ def transformer_params(n_layers: int, hidden: int, vocab: int, *, intermediate: 
     """The parameter tensors of a GPT-2-shaped decoder (tied embeddings), computed from its shape
     (lesson 4). With `lora_rank`, the base weights are frozen (`frozen_dtype_bytes` each) and each
     layer gets trainable fp32 LoRA factors on its attention projection (peft's default target)."""
-    for name, value in (("n_layers", n_layers), ("hidden", hidden), ("vocab", vocab)):
-        if not isinstance(value, int) or value <= 0:
-            raise PagingError(f"{name} must be a positive integer, got {value!r}")
+    n_layers = validate.positive_int("n_layers", n_layers, maximum=MAX_LAYERS, error=PagingError)
+    hidden, vocab = (validate.positive_int(name, value, error=PagingError) for name, value in
+                     (("hidden", hidden), ("vocab", vocab)))
     inter = intermediate or 4 * hidden
     frozen = lora_rank is not None
     base = {"trainable": not frozen, "dtype_bytes": frozen_dtype_bytes if frozen else 4}

@@ -11,6 +11,7 @@ import gc
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.measure import GiB, MiB
 
 
@@ -35,7 +36,7 @@ class VirtualGPU:
 
     def __init__(self, capacity: int, device: int = 0, chunk: int = 4 * GiB) -> None:
         if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
+            raise UserError(f"capacity must be positive, got {capacity}")
         if not torch.cuda.is_available():
             raise RuntimeError("VirtualGPU needs a CUDA GPU")
         self.capacity, self.device, self.chunk = int(capacity), torch.device("cuda", device), chunk

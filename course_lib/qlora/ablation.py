@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.device import DtypePolicy
 from course_lib.measure import format_bytes
 from course_lib.memory import GPU
 from course_lib.qlora.gpu_rows import isolated_rows
 from course_lib.qlora.measuring import Row, measure_recipe
-from course_lib.qlora.recipe import Recipe
+from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
 def ablation(config, recipe: Recipe | None = None, device: str | torch.device = "cpu", *,
@@ -23,7 +24,7 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
     once: paged optimizer state is never freed, so rows in one process would see each other's. There
     `as_t4` runs each row under `emulate_t4` (policy and gpu are then the child's, not arguments).
     `progress(rows)` is called with the rows so far after each isolated row (to save them)."""
-    recipe = (recipe or Recipe()).validate()
+    recipe = valid_recipe(recipe or Recipe())
     device = torch.device(device)
     cases = [("all tricks on", recipe)]
     names = {"nf4": "no 4-bit base (16/32-bit base)", "checkpointing": "no checkpointing",
@@ -37,7 +38,7 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
     cases.append(("all tricks off", recipe.all_off()))
     if isolate if isolate is not None else device.type == "cuda":
         if policy is not None or gpu is not None:
-            raise ValueError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
+            raise UserError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
         return isolated_rows(config, cases, device, timed_steps=timed_steps, as_t4=as_t4, progress=progress)
     return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
             for label, r in cases]

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.model_config import load_config
-from course_lib.qlora.recipe import Recipe
+from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
 def tiny_llama_config(hidden: int = 256, layers: int = 2, heads: int = 8, kv_heads: int = 4,
@@ -123,7 +124,7 @@ def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", poli
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # heavy: transformers and bitsandbytes
 
-    recipe.validate()
+    valid_recipe(recipe)
     device = torch.device(device)
     policy = policy or dtype_policy(device)
     base_dtype = compute_dtype(policy) if recipe.lora_rank else torch.float32
@@ -156,7 +157,7 @@ def counting_dataset(n: int, seq: int, vocab: int, seed: int = 0) -> list[dict]:
     means training works."""
     for value, what in ((n, "n"), (seq, "seq"), (vocab, "vocab")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+            raise UserError(f"{what} must be a positive integer, got {value!r}")
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, vocab, (n,), generator=generator)
     rows = []

@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib import isolate
 from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
 from course_lib.memory import CUDA_CONTEXT_BYTES, GPU, get_gpu
@@ -128,7 +129,7 @@ def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4
     if not torch.cuda.is_available():
         raise RuntimeError("expandable_segments is a CUDA allocator setting: this needs a CUDA GPU")
     if model not in ("1b", "tiny"):
-        raise ValueError(f"model must be '1b' or 'tiny', got {model!r}")
+        raise UserError(f"model must be '1b' or 'tiny', got {model!r}")
     config = llama_1b_config() if model == "1b" else tiny_llama_config()
     folder = str(checkpoint_dir(config))
     return {value: isolate.run("course_lib.qlora.gpu_rows:expandable_row", config_dir=folder, seq=seq, accum=accum,

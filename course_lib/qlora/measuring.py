@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.measure import optimizer_state_tensors, peak_bytes
 from course_lib.memory import GPU, Setup, plan
 from course_lib.models import build_model as meta_model, spec_from_model
 from course_lib.paging import make_optimizer as lesson4_optimizer, release_cuda_memory
 from course_lib.qlora.building import build_model, quiet
-from course_lib.qlora.recipe import PLANNER_OPTIM, Recipe
+from course_lib.qlora.recipe import PLANNER_OPTIM, Recipe, valid_recipe
 
 
 def make_optimizer(model: torch.nn.Module, optim: str, lr: float = 2e-3) -> torch.optim.Optimizer:
@@ -31,7 +32,7 @@ def make_optimizer(model: torch.nn.Module, optim: str, lr: float = 2e-3) -> torc
 
 def planner_setup(recipe: Recipe, policy: DtypePolicy) -> Setup:
     """The planner's Setup for a recipe under a precision policy (lesson 5)."""
-    recipe.validate()
+    valid_recipe(recipe)
     if recipe.lora_rank:  # frozen base in the compute dtype, fp32 adapters
         precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(policy.autocast_dtype, "fp32")
     else:  # fp32 trainable weights (the policy's), autocast only changes activations
@@ -87,12 +88,12 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     optimizer's state stays in this process until it ends:
     on CUDA, measure each recipe in its own process (`ablation` does).
     """
-    recipe.validate()
+    valid_recipe(recipe)
     if isinstance(timed_steps, bool) or not isinstance(timed_steps, int) or timed_steps < 0:
-        raise ValueError(f"timed_steps must be a whole number >= 0 (0: the peak only), got {timed_steps!r}")
+        raise UserError(f"timed_steps must be a whole number >= 0 (0: the peak only), got {timed_steps!r}")
     device = torch.device(device)
     if gpu is not None and device.type != "cuda":
-        raise ValueError("gpu= sets the memory a CUDA run may use: it needs device='cuda'")
+        raise UserError("gpu= sets the memory a CUDA run may use: it needs device='cuda'")
     policy = policy or dtype_policy(device)
     if device.type == "cuda":
         gpu = gpu or _catalog_gpu(device)

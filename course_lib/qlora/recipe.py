@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from course_lib import validate
+from course_lib.errors import UserError
+
 # The Trainer's `optim` names and the planner's names for the same optimizer.
 PLANNER_OPTIM = {"paged_adamw_8bit": "paged_adamw8bit", "adamw_8bit": "adamw8bit", "adamw_torch": "adamw"}
 OPTIMS = tuple(PLANNER_OPTIM)
 TRICKS = ("nf4", "lora", "checkpointing", "accumulation", "optimizer", "prepare_kbit")
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError):
     """A recipe that cannot be trained: the message says what to change (lesson 5)."""
 
 
@@ -37,13 +40,14 @@ class Recipe:
 
     def validate(self) -> Recipe:
         """The recipe itself, or RecipeError naming the bad value."""
+        for name in ("nf4", "checkpointing", "prepare_kbit"):
+            validate.strict_bool(name, getattr(self, name), error=RecipeError)
         for value, what in ((self.batch, "batch"), (self.accum, "accum"), (self.seq, "seq")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RecipeError(f"{what} must be a positive integer, got {value!r}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise RecipeError(f"lora_rank must be an integer >= 0 (0: full fine-tune), got {self.lora_rank!r}")
-        if self.optim not in OPTIMS:
-            raise RecipeError(f"unknown optim {self.optim!r}: use one of {', '.join(OPTIMS)}")
+        validate.choice("optim", self.optim, OPTIMS, error=RecipeError)
         if self.nf4 and not self.lora_rank:
             raise RecipeError("nf4=True freezes a 4-bit base that cannot be trained: set lora_rank > 0 (QLoRA)")
         return self
@@ -81,3 +85,9 @@ class Recipe:
         if self.nf4:
             parts.append("prepare_kbit" if self.prepare_kbit else "no prepare_kbit")
         return ", ".join(parts)
+
+
+def valid_recipe(recipe) -> Recipe:
+    """`recipe` validated, or RecipeError for a bad field or for anything but a Recipe (a dict, say)."""
+    return validate.instance("recipe", recipe, Recipe, "a qlora.Recipe, e.g. Recipe(lora_rank=8)",
+                             error=RecipeError).validate()

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
+from course_lib import validate
 from course_lib.device import DtypePolicy, dtype_policy
+from course_lib.errors import UserError
 from course_lib.qlora.building import build_model, quiet
-from course_lib.qlora.recipe import Recipe
+from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
 def training_arguments(recipe: Recipe, output_dir: str | Path, *, max_steps: int, learning_rate: float = 2e-3,
@@ -20,7 +22,7 @@ def training_arguments(recipe: Recipe, output_dir: str | Path, *, max_steps: int
     precision is the device's policy (fp16=True on a T4, bf16=True from compute capability 8.0)."""
     from transformers import TrainingArguments  # heavy: transformers
 
-    recipe.validate()
+    valid_recipe(recipe)
     device = torch.device(device)
     policy = policy or dtype_policy(device)
     # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
@@ -52,11 +54,13 @@ def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learni
     `policy` defaults to the device's (`course_lib.device.dtype_policy`); `weights` as in `build_model`."""
     from transformers import PrinterCallback, Trainer  # heavy: transformers
 
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
+    recipe = valid_recipe(recipe)  # all before the model is built
+    max_steps = validate.positive_int("max_steps", max_steps)
+    validate.positive("learning_rate", learning_rate)
+    dataset = validate.non_empty("dataset", dataset, "rows (dicts of input_ids and labels)")
     if len(dataset) < recipe.effective_batch:
-        raise ValueError(f"the dataset has {len(dataset)} rows, fewer than one effective batch "
-                         f"({recipe.effective_batch})")
+        raise UserError(f"the dataset has {len(dataset)} rows, fewer than one effective batch "
+                        f"({recipe.effective_batch})")
     model = build_model(config, recipe, device, policy, weights)
     with tempfile.TemporaryDirectory() as folder, quiet():
         args = training_arguments(recipe, folder, max_steps=max_steps, learning_rate=learning_rate, device=device,

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import init_device_mesh
 
+from course_lib.errors import UserError
 from course_lib.layers import find_layer_stack
 
 ENGINES = {
@@ -67,7 +68,7 @@ class FSDPOptions:
 
     def __post_init__(self):
         if self.wrapping not in WRAPPINGS:
-            raise ValueError(f"unknown wrapping {self.wrapping!r}: use one of {', '.join(WRAPPINGS)}")
+            raise UserError(f"unknown wrapping {self.wrapping!r}: use one of {', '.join(WRAPPINGS)}")
 
 
 def fsdp_units(model: nn.Module, wrapping: str) -> list[list[nn.Module]]:
@@ -94,7 +95,7 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, dev
     `device` is the mesh's device type, `offload_policy` (e.g. CPUOffloadPolicy()) is passed on, and
     `fsdp` says how it is wrapped and in which dtypes it gathers and reduces."""
     if stage not in ENGINES:
-        raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(ENGINES)}")
+        raise UserError(f"unknown stage {stage!r}: use one of {', '.join(ENGINES)}")
     if stage in ("none", "zero1"):
         # off the import path: torch.distributed.optim takes most of a second to import
         from torch.distributed.optim import ZeroRedundancyOptimizer

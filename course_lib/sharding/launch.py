@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from course_lib.errors import UserError
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -64,7 +66,7 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
     """
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise UserError(f"world_size must be a positive integer, got {world_size!r}")
     _check_sendable(worker, args)
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "forkserver":
@@ -104,11 +106,11 @@ def _check_sendable(worker: Callable, args: tuple) -> None:
         func = getattr(obj, "func", obj)  # functools.partial: the function it calls
         if callable(func) and getattr(func, "__module__", None) == "__main__" \
                 and not os.path.isfile(getattr(main, "__file__", "")):
-            raise ValueError(f"{getattr(func, '__name__', func)!r} is defined in this notebook or console, which "
-                             "the rank processes cannot import: define it in a .py module (or use "
-                             "functools.partial of a library function, e.g. course_lib.checkpointing.tiny_decoder)")
+            raise UserError(f"{getattr(func, '__name__', func)!r} is defined in this notebook or console, which "
+                            "the rank processes cannot import: define it in a .py module (or use "
+                            "functools.partial of a library function, e.g. course_lib.checkpointing.tiny_decoder)")
         try:
             pickle.dumps(obj)
         except (pickle.PicklingError, AttributeError, TypeError) as error:
-            raise ValueError(f"cannot send {obj!r} to the rank processes ({error}): use a module-level function "
-                             "or functools.partial of one") from None
+            raise UserError(f"cannot send {obj!r} to the rank processes ({error}): use a module-level function "
+                            "or functools.partial of one") from None

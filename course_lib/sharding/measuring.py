@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from course_lib import validate
+from course_lib.errors import UserError
 from course_lib.measure import PHASES, PlainTextTable, format_bytes, optimizer_state_tensors, storage_bytes
 from course_lib.sharding.engines import ENGINES, STAGES, FSDPOptions, wrap
 from course_lib.sharding.launch import run_ranks
@@ -157,13 +159,14 @@ def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
     `fsdp`: how zero2 and zero3 configure FSDP2 (wrapping, MixedPrecisionPolicy, the root's resharding).
     Returns one RankStep per (stage, skip_sync, rank), in that order.
     """
-    unknown = [s for s in stages if s not in ENGINES]
-    if unknown:
-        raise ValueError(f"unknown stage(s) {', '.join(map(repr, unknown))}: use {', '.join(ENGINES)}")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    stages = validate.choices("stage", stages, tuple(ENGINES))  # all before any process starts
+    world_size = validate.positive_int("world_size (processes on this machine)", world_size, maximum=64)
+    batch, seq, micro_batches, repeats = (validate.positive_int(name, value) for name, value in (
+        ("batch", batch), ("seq", seq), ("micro_batches", micro_batches), ("repeats", repeats)))
+    skip_sync = [validate.strict_bool("skip_sync", skip) for skip in validate.non_empty("skip_sync", skip_sync)]
+    validate.positive("timeout_s", timeout_s)
+    if not callable(build):
+        raise UserError(f"build must be a function returning a fresh model, got {build!r}")
     runs = [(stage, bool(skip)) for stage in stages for skip in skip_sync]
     per_rank = run_ranks(_worker, world_size, build, runs, batch, seq, seed, micro_batches, repeats, fsdp,
                          timeout_s=timeout_s, what="sharding processes")

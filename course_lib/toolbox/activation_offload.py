@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from course_lib import validate
 from course_lib.paging.policies import PCIE3_X16
 
 
@@ -56,9 +57,7 @@ def transfer_seconds(to_host: int, to_device: int, bandwidth: float = PCIE3_X16)
     """Predicted time of the copies of one step at `bandwidth` bytes/s each way, with no overlap
     (save_on_cpu copies on the compute stream): a lower bound, the link's theoretical rate (lesson 7).
     The default is the T4's PCIe 3.0 x16, 15.75 GB/s each way."""
-    for value, name in ((to_host, "to_host"), (to_device, "to_device")):
-        if value < 0:
-            raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
-    if not bandwidth > 0:
-        raise ValueError(f"bandwidth must be positive bytes per second, got {bandwidth!r}")
+    for value, name in ((to_host, "to_host (bytes)"), (to_device, "to_device (bytes)")):
+        validate.finite(name, value, at_least=0)
+    validate.positive("bandwidth (bytes per second)", bandwidth)
     return (to_host + to_device) / bandwidth

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from course_lib import validate
+from course_lib.errors import UserError
+
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     labels: torch.Tensor, softcap: float | None, ignore_index: int) -> torch.Tensor:
@@ -39,15 +42,23 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden), `chunk_size` tokens at a time (lesson 7, "chunked loss"); equal to Hugging Face's loss of
     `F.linear(hidden, weight, bias)` within float rounding, gradients included.
 
-    `shift=False`: `labels` are already aligned with the positions (HF's `shift_labels`).
+    `shift=False`: `labels` are already aligned with the positions (HF's `shift_labels`). Labels that are
+    all `ignore_index` give 0 (nothing is scored), where Hugging Face's mean gives NaN (0/0).
     `recompute=False`: the chunks without `torch.utils.checkpoint`, so that forward keeps each chunk's
     fp32 log-softmax for backward (lesson 7 measures what chunking alone buys).
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    chunk_size = validate.positive_int("chunk_size", chunk_size)
+    if num_items_in_batch is not None and not torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = validate.positive_int("num_items_in_batch (the tokens of the whole batch, or None)",
+                                                   num_items_in_batch)
+    for name, tensor in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        validate.instance(name, tensor, torch.Tensor, "a torch.Tensor")
+    if hidden.dim() < 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise UserError(f"hidden {tuple(hidden.shape)} must be (batch, seq, hidden) and weight {tuple(weight.shape)} "
+                        "(vocab, hidden), with the same hidden size")
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
-                         f"dimension, {tuple(hidden.shape[:-1])}")
+        raise UserError(f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
+                        f"dimension, {tuple(hidden.shape[:-1])}")
     targets = (shifted_labels(labels, ignore_index) if shift else labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -57,8 +68,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                                        use_reentrant=False, preserve_rng_state=False)
         else:
             total = total + _chunk_loss_sum(h, weight, bias, y, softcap, ignore_index)
-    if num_items_in_batch is None:
-        return total / (targets != ignore_index).sum()
+    if num_items_in_batch is None:  # labels all ignore_index: 0 (no token adds to the loss), not HF's NaN (0/0)
+        return total / (targets != ignore_index).sum().clamp(min=1)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
@@ -74,11 +85,11 @@ def hidden_states_and_head(model: torch.nn.Module, input_ids: torch.Tensor,
     head = model.get_output_embeddings()
     decoder = model.base_model
     if head is None or decoder is model:
-        raise ValueError(f"{type(model).__name__} is not a Hugging Face causal LM with an output layer "
-                         "(get_output_embeddings) and a base model")
+        raise UserError(f"{type(model).__name__} is not a Hugging Face causal LM with an output layer "
+                        "(get_output_embeddings) and a base model")
     for name in ("logit_scale", "logits_scaling"):
         if getattr(model.config, name, None) not in (None, 1, 1.0):
-            raise ValueError(f"{type(model).__name__} scales its logits ({name}): chunked_causal_lm_loss does not")
+            raise UserError(f"{type(model).__name__} scales its logits ({name}): chunked_causal_lm_loss does not")
     out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return out.last_hidden_state, head
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib.errors import UserError
 from course_lib.measure import optimizer_state_tensors, storage_bytes, storage_key
 
 
@@ -93,7 +94,7 @@ def stepped_optimizer(model: torch.nn.Module, name: str, seed: int = 0) -> torch
     """The optimizer `name` of LEAN_OPTIMIZERS over the model's trainable parameters, after one step on
     random gradients (its state exists from then on; lesson 7)."""
     if name not in LEAN_OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(LEAN_OPTIMIZERS)}")
+        raise UserError(f"unknown optimizer {name!r}: use one of {', '.join(LEAN_OPTIMIZERS)}")
     params = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(seed)
     for p in params:

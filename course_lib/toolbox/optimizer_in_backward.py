@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from course_lib.errors import UserError
+from course_lib import validate
+
 
 class OptimizerInBackward:
     """Per-parameter optimizers stepped inside backward (lesson 7).
@@ -29,7 +32,7 @@ class OptimizerInBackward:
                  make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
-            raise ValueError("OptimizerInBackward got no parameters that require grad")
+            raise UserError("OptimizerInBackward got no parameters that require grad")
         self.optimizers = {p: make_optimizer([p]) for p in self.params}
         self.steps = dict.fromkeys(self.params, 0)  # optimizer steps each parameter took
         self._handles = [p.register_post_accumulate_grad_hook(self._step) for p in self.params]
@@ -73,6 +76,8 @@ def accumulation_breaks(make_model: Callable[[], torch.nn.Module], batches: list
     K micro-batch gradients, not one step on their sum. Returns the optimizer steps each run took and
     the largest weight difference.
     """
+    batches = [validate.instance("each batch", batch, torch.Tensor, "a torch.Tensor")
+               for batch in validate.non_empty("batches", batches, "micro-batches (tensors)")]
     torch.manual_seed(0)
     plain = make_model()
     fused = make_model()
@@ -100,6 +105,7 @@ def clipping_breaks(make_model: Callable[[], torch.nn.Module], batch: torch.Tens
     (none) and the largest weight difference between clipping and not clipping at all (what the fused
     run amounts to).
     """
+    validate.positive("max_norm", max_norm)
     torch.manual_seed(0)
     plain, fused = make_model(), make_model()
     fused.load_state_dict(plain.state_dict())
