@@ -244,8 +244,9 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
                      "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
                      "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")
     if setup.fp32_main_grads:
-        notes.append(f"{setup.precision}: Megatron Core's main gradients (docs/references.md#megatron-core-docs-"
-                     "distributed-optimizer): the backward's gradients are added into fp32 ones"
+        source = "docs/references.md#megatron-core-docs-distributed-optimizer"
+        notes.append(f"{setup.precision}: Megatron Core's main gradients ({source}): the backward's gradients "
+                     "are added into fp32 ones"
                      + (", kept beside the fp16 gradients (gradients: 2 + 4 bytes a parameter)"
                         if setup.compute_name == "fp16" else ", the only ones kept (4 bytes a parameter)"))
     if setup.optimizer.startswith("paged"):
