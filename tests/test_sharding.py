@@ -195,11 +195,8 @@ def _offload_traffic(rank, world_size, fsdp):
     return {**moved, "host": storage_bytes(getattr(t, "to_local", lambda: t)() for t in held)}  # DTensors: the shards
 
 
-@pytest.mark.parametrize("fsdp, options", [
-    (FSDPOptions(), {}),
-    pytest.param(FSDPOptions(reshard_root=False), dict(fsdp_reshard_root=False), marks=pytest.mark.xfail(
-        strict=True, reason="offload_prediction counts two copies of the root's weight shards a step; a root "
-                            "kept gathered after forward is copied once"))], ids=["default", "root kept gathered"])
+@pytest.mark.parametrize("fsdp, options", [(FSDPOptions(), {}), (FSDPOptions(reshard_root=False), dict(fsdp_reshard_root=False))],
+                         ids=["default", "root kept gathered"])
 def test_offload_moves_what_fsdp2s_cpu_offload_copies(spec, fsdp, options):
     p = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard="zero3", **options)
     off = offload_prediction(p)

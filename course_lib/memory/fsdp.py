@@ -253,7 +253,7 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   backward_peak=round(model_states + max(totals[p] for p in phases
                                                          if p not in ("forward", "optimizer step"))),
                   optimizer_step_peak=round(model_states + totals["optimizer step"]),
-                  gradient_shards=gradient_shards,
+                  gradient_shards=gradient_shards, root_params=round(g.root),
                   activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
                   buffers_by_phase={p: round(b) for p, (_, _, b) in phases.items()},
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
