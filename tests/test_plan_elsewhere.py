@@ -12,7 +12,11 @@ def test_seventy_b_qlora_on_a_t4_ends_with_where_it_would_fit():
     named = next(g for g in GPUS.values() if f"fits is {g.name} (" in first)
     final = plan("llama-2-70b", result.tricks[-1].setup, gpu=named.name, suggest=False)
     assert final.fits and named.memory_bytes > GPUS["t4"].memory_bytes
-    assert " T4s with zero3" in first
+    many = int(first.split(", or ")[1].split(" T4s")[0])
+    zero3 = dict(quant="nf4-dq", lora_rank=16, checkpointing="every-layer", shard="zero3", gpu="t4", suggest=False)
+    assert plan("llama-2-70b", gpus=many, **zero3).fits  # the 4-bit base sharded, as the line says
+    assert not plan("llama-2-70b", gpus=many // 2, **zero3).fits
+    assert "4-bit base sharded" in result.closing
     assert str(result).splitlines().index(result.closing.splitlines()[0]) > len(result.tricks)
     assert result.to_dict()["closing"] == result.closing
 
