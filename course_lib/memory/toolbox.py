@@ -37,13 +37,15 @@ def toolbox_tricks(setup) -> list[tuple[str, object]]:
     return tricks
 
 
-def traced_loss(model: torch.nn.Module, ids: torch.Tensor, setup):
-    """(loss, outputs kept by the loop) of the traced step: the model's own loss, or lesson 7's chunked one."""
+def traced_loss(model: torch.nn.Module, ids: torch.Tensor, setup, autocast=None):
+    """(loss, outputs kept by the loop) of the traced step: the model's own loss, or lesson 7's chunked one
+    (each chunk's recompute under `autocast`, the trace's autocast on the meta device, as torch.autocast's
+    state is restored for a checkpoint's recompute)."""
     if setup.chunked_loss is None:
         outputs = model(input_ids=ids, labels=ids, use_cache=False)
         return outputs.loss, outputs
-
-    return chunked_causal_lm_loss(model, ids, ids, setup.chunked_loss), None
+    again = None if autocast is None else (lambda: autocast)
+    return chunked_causal_lm_loss(model, ids, ids, setup.chunked_loss, recompute_context=again), None
 
 
 def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool):

@@ -288,7 +288,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             unpack = (lambda t: t) if offload is None else offload.unpack_hook
             with tracer, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 with autocast or contextlib.nullcontext():  # the Trainer's autocast: the forward and the loss
-                    loss, outputs = traced_loss(model, ids, setup)
+                    loss, outputs = traced_loss(model, ids, setup, autocast)
                 kept = outputs.logits.untyped_storage().nbytes() \
                     if setup.loop == "keep-outputs" and outputs is not None else 0
                 if setup.loop == "trainer":

@@ -13,9 +13,12 @@ else the mean over tokens whose label is not `ignore_index`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from course_lib import validate
 from course_lib.errors import UserError
@@ -37,7 +40,8 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                           *, bias: torch.Tensor | None = None, ignore_index: int = -100,
                           num_items_in_batch: int | torch.Tensor | None = None, softcap: float | None = None,
-                          shift: bool = True, recompute: bool = True) -> torch.Tensor:
+                          shift: bool = True, recompute: bool = True,
+                          recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
     """The causal LM loss of `hidden` (batch, seq, hidden) under the output layer `weight` (vocab,
     hidden), `chunk_size` tokens at a time (lesson 7, "chunked loss"); equal to Hugging Face's loss of
     `F.linear(hidden, weight, bias)` within float rounding, gradients included.
@@ -45,7 +49,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     `shift=False`: `labels` are already aligned with the positions (HF's `shift_labels`). Labels that are
     all `ignore_index` give 0 (nothing is scored), where Hugging Face's mean gives NaN (0/0).
     `recompute=False`: the chunks without `torch.utils.checkpoint`, so that forward keeps each chunk's
-    fp32 log-softmax for backward (lesson 7 measures what chunking alone buys).
+    fp32 log-softmax for backward (lesson 7 measures what chunking alone buys). `recompute_context`: a
+    context each chunk's recompute in backward runs under (checkpoint's `context_fn`): torch restores
+    `torch.autocast` there itself; the planner's autocast on the meta device (course_lib.memory.autocast)
+    is a TorchFunctionMode, which it does not.
     """
     chunk_size = validate.positive_int("chunk_size", chunk_size)
     if num_items_in_batch is not None and not torch.is_tensor(num_items_in_batch):
@@ -62,10 +69,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     targets = (shifted_labels(labels, ignore_index) if shift else labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
+    context_fn = noop_context_fn if recompute_context is None else \
+        (lambda: (contextlib.nullcontext(), recompute_context()))
     for h, y in zip(flat.split(chunk_size), targets.split(chunk_size)):
         if recompute:
             total = total + checkpoint(_chunk_loss_sum, h, weight, bias, y, softcap, ignore_index,
-                                       use_reentrant=False, preserve_rng_state=False)
+                                       use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
         else:
             total = total + _chunk_loss_sum(h, weight, bias, y, softcap, ignore_index)
     if num_items_in_batch is None:  # labels all ignore_index: 0 (no token adds to the loss), not HF's NaN (0/0)
@@ -96,10 +105,14 @@ def hidden_states_and_head(model: torch.nn.Module, input_ids: torch.Tensor,
 
 def chunked_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                            *, attention_mask: torch.Tensor | None = None, ignore_index: int = -100,
-                           num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+                           num_items_in_batch: int | torch.Tensor | None = None,
+                           recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None
+                           ) -> torch.Tensor:
     """`model(input_ids, attention_mask=..., labels=labels).loss` of a Hugging Face causal LM, with the
-    output layer and the loss computed `chunk_size` tokens at a time (lesson 7, "chunked loss")."""
+    output layer and the loss computed `chunk_size` tokens at a time (lesson 7, "chunked loss");
+    `recompute_context` as in `chunked_cross_entropy`."""
     hidden, head = hidden_states_and_head(model, input_ids, attention_mask)
     return chunked_cross_entropy(hidden, head.weight, labels, chunk_size, bias=head.bias,
                                  ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
-                                 softcap=getattr(model.config, "final_logit_softcapping", None))
+                                 softcap=getattr(model.config, "final_logit_softcapping", None),
+                                 recompute_context=recompute_context)
