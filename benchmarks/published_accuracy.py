@@ -29,7 +29,7 @@ from pathlib import Path
 
 from course_lib.errors import UserError
 from course_lib.measure import GiB, MiB
-from course_lib.memory import GPU, GPUS, PlanError, Setup, get_gpu, plan
+from course_lib.memory import GPU, PlanError, Setup, get_gpu, plan
 
 DATA = Path(__file__).with_name("data") / "published_runs.csv"
 UNITS = {"bytes": 1, "MB": 10**6, "MiB": MiB, "GB": 10**9, "GiB": GiB}

@@ -6,7 +6,6 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 
 from course_lib import validate
 from course_lib.errors import UserError

@@ -164,9 +164,9 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # gathered from forward to the end of backward: the root, and under zero2 every group
     always = root + (0 if zero3 else all_layers + embeddings + head)
     running = largest if zero3 else 0  # zero2 gathers nothing in backward
-    # FSDP2 prefetches the next layer in backward; accelerate's FSDP1 does not (backward_prefetch NO_PREFETCH)
-    ahead = running if setup.fsdp_version == 2 else 0
     fsdp2 = setup.fsdp_version == 2
+    # FSDP2 prefetches the next layer in backward; accelerate's FSDP1 does not (backward_prefetch NO_PREFETCH)
+    ahead = running if fsdp2 else 0
     # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
     trace_head_grads = gr.head_side
     trace_root_grads = gr.root + gr.embeddings + gr.head
