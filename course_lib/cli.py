@@ -88,11 +88,14 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
-                               lora_rank=args.lora_rank, lora_dropout=args.lora_dropout, quant=args.quant, batch=args.batch, seq=args.seq,
-                               checkpointing=args.checkpointing, accum=args.accum, attention=args.attention,
-                               loop=args.loop, gpu=args.gpu, gpus=args.gpus, shard=args.shard,
-                               fsdp_wrapping=args.fsdp_wrapping, fsdp_reduce_dtype=args.fsdp_reduce_dtype,
-                               fsdp_reshard_root=args.fsdp_reshard_root, fsdp_version=args.fsdp_version,
+                               lora_rank=args.lora_rank, lora_dropout=args.lora_dropout,
+                               autocast_adapter_dtype=args.autocast_adapter_dtype, quant=args.quant, batch=args.batch,
+                               seq=args.seq, checkpointing=args.checkpointing, accum=args.accum,
+                               attention=args.attention, loop=args.loop,
+                               legacy_causal_lm_loss=args.legacy_causal_lm_loss, gpu=args.gpu, gpus=args.gpus,
+                               shard=args.shard, fsdp_wrapping=args.fsdp_wrapping,
+                               fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_reshard_root=args.fsdp_reshard_root,
+                               fsdp_version=args.fsdp_version, fsdp_backward_prefetch=args.fsdp_backward_prefetch,
                                optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
                                offload_activations=args.offload_activations)
     except PlanError as error:
@@ -160,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--lora-rank", type=_checked(validate.non_negative_int), default=0, metavar="R", help="train LoRA adapters of rank R")
     plan.add_argument("--lora-dropout", type=_checked(validate.probability, below_one=True), metavar="P",
                       help="peft's lora_dropout (default 0.0, peft's; the QLoRA paper used 0.05 and 0.1)")
+    plan.add_argument("--no-autocast-adapter-dtype", dest="autocast_adapter_dtype", action="store_false",
+                      default=None, help="adapters in the base's dtype, as peft made them before 0.11 (default: "
+                                         "get_peft_model's autocast_adapter_dtype=True, fp32 adapters)")
     plan.add_argument("--quant", default="none", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA)")
     # no argparse defaults for what --params cannot use: the planner tells given options from defaults
     plan.add_argument("--batch", type=_POSITIVE_INT, help="micro-batch size (default 1)")
@@ -169,9 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "(Hugging Face's every_n_layers=K)")
     plan.add_argument("--accum", type=_POSITIVE_INT, help="gradient accumulation steps (default 1)")
     plan.add_argument("--attention", choices=("sdpa", "eager"), help="attention kernel (default sdpa)")
-    plan.add_argument("--loop", choices=("trainer", "keep-outputs"),
+    plan.add_argument("--loop", choices=("trainer", "keep-outputs", "outputs-until-step"),
                       help="trainer (default): only the loss is kept; keep-outputs: `outputs = model(**batch)` "
-                           "keeps the logits alive through backward")
+                           "keeps the logits alive through backward, the step and the next forward; "
+                           "outputs-until-step: released after the step")
+    plan.add_argument("--legacy-causal-lm-loss", action="store_true", default=None,
+                      help="the loss as transformers before 4.46 computed it: fp32 logits returned, the shifted "
+                           "logits copied")
     # lesson 7's tricks
     plan.add_argument("--optimizer-in-backward", action="store_true", default=None,
                       help="step each parameter in backward and free its gradient there (no accumulation)")
@@ -195,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "reshards it: 3 P sent)")
     plan.add_argument("--fsdp-version", type=int, choices=(1, 2),
                       help="zero2/zero3: 2 (FSDP2, default) or 1 (accelerate's FSDP1, the Trainer's FSDP recipes)")
+    plan.add_argument("--fsdp-backward-prefetch", action="store_true", default=None,
+                      help="--fsdp-version 1: BACKWARD_PRE, FullyShardedDataParallel's own default (accelerate's: "
+                           "none)")
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser

@@ -68,6 +68,19 @@ def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype 
     return model
 
 
+def legacy_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor):
+    """(loss, outputs) as transformers computed them before 4.46 (LlamaForCausalLM.forward of v4.38 to
+    v4.45; lesson 1, "the planner"): the logits upcast to fp32 and returned with the outputs, the shifted
+    logits copied for CrossEntropyLoss. From 4.46 the logits stay in the model's dtype and the loss
+    upcasts them (docs/references.md, transformers' pull requests 31292 and 33902)."""
+    outputs = model(input_ids=input_ids, use_cache=False)
+    outputs.logits = outputs.logits.float()
+    shift_logits = outputs.logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    loss = torch.nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+    return loss, outputs
+
+
 def supported_attention(config, requested: str | None) -> str | None:
     """The attention a model of this config runs: `requested`, or "eager" where transformers' class
     refuses SDPA (Gemma-2, whose attention caps its logits) (lessons 1 and 3)."""

@@ -128,6 +128,14 @@ def test_plan_prepare_kbit_is_a_strict_boolean():
         plan("gpt2", lora_rank=8, prepare_kbit="no")
 
 
+@pytest.mark.parametrize("options", [dict(legacy_causal_lm_loss="no"),
+                                     dict(gpus=2, shard="zero3", fsdp_version=1, fsdp_backward_prefetch=1)])
+def test_plan_the_published_rows_switches_are_strict_booleans(options):
+    name = next(key for key in options if key.startswith(("legacy", "fsdp_backward")))
+    with pytest.raises(UserError, match=f"{name} must be True or False"):
+        plan("gpt2", **options)
+
+
 def test_plan_refuses_prepare_kbit_on_a_full_fine_tune():
     with pytest.raises(UserError, match="prepare_kbit"):
         plan("gpt2", prepare_kbit=True)

@@ -19,7 +19,8 @@ from course_lib.sharding.tracking import RankTracker
 
 BUILD = functools.partial(tiny_decoder, "llama", n_layers=3, hidden=128, vocab=256)
 BATCH, SEQ, N, RANK = 2, 32, 2, 8
-RUNS = (("full", "layers"), ("lora", "peft"), ("lora", "layers"))  # (what is trained, how FSDP1 wraps it)
+# (what is trained, how FSDP1 wraps it, its backward_prefetch: accelerate's none, or FSDP1's own BACKWARD_PRE)
+RUNS = (("full", "layers", None), ("lora", "peft", None), ("lora", "layers", None), ("full", "layers", "BACKWARD_PRE"))
 
 
 def _model(trained: str):
@@ -58,11 +59,11 @@ def _tracked_fsdp1_storage(tracker: RankTracker):
 def _fsdp1_rank(rank: int, world_size: int) -> list[int]:
     """Each run's peak over its second step (the first makes the optimizer state), on this rank."""
     from peft.utils.other import fsdp_auto_wrap_policy  # heavy: peft and torch.distributed.fsdp
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     peaks = []
-    for trained, wrapping in RUNS:
+    for trained, wrapping, prefetch in RUNS:
         torch.manual_seed(0)
         model = _model(trained)
         ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
@@ -76,7 +77,7 @@ def _fsdp1_rank(rank: int, world_size: int) -> list[int]:
             with tracker:
                 engine = FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True,
                                                   sharding_strategy=ShardingStrategy.FULL_SHARD,
-                                                  backward_prefetch=None,  # accelerate's default: NO_PREFETCH
+                                                  backward_prefetch=prefetch and BackwardPrefetch[prefetch],
                                                   device_id=torch.device("cpu"))  # else it asks for an accelerator
                 optimizer = torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad], lr=1e-3)
                 del model
@@ -103,15 +104,15 @@ def spec():
     return spec_from_model(model, "tiny-llama", model.config)
 
 
-def _plan(spec, version: int, lora_rank: int = 0):
+def _plan(spec, version: int, lora_rank: int = 0, prefetch: bool = False):
     return plan(spec, precision="fp32", optimizer="adamw", lora_rank=lora_rank, batch=BATCH, seq=SEQ, gpus=N,
-                shard="zero3", fsdp_version=version)
+                shard="zero3", fsdp_version=version, fsdp_backward_prefetch=prefetch)
 
 
 def test_fsdp1s_full_fine_tune_and_the_trainers_lora_are_planned_within_5_percent(measured, spec):
     for (trained, wrapping), rank in (("full", "layers"), 0), (("lora", "peft"), RANK):
         predicted = _plan(spec, 1, rank)
-        for peak in measured[trained, wrapping]:
+        for peak in measured[trained, wrapping, None]:
             assert predicted.total == pytest.approx(peak, rel=0.05), (trained, predicted.total, peak)
             assert predicted.total >= 0.98 * peak  # an upper bound
             # FSDP2's plan holds one more layer in backward (its prefetch): FSDP1 without prefetch is below it
@@ -121,5 +122,18 @@ def test_fsdp1s_full_fine_tune_and_the_trainers_lora_are_planned_within_5_percen
 def test_frozen_parameters_in_a_trained_flat_parameter_cost_gradient_memory(measured, spec):
     """A unit that mixes the frozen base with its adapters (use_orig_params=True, no peft wrap) makes a flat
     gradient of the whole unit: it peaks above the Trainer's wrap by more than the layers' gradient shards."""
-    for trainer, mixed in zip(measured["lora", "peft"], measured["lora", "layers"]):
+    for trainer, mixed in zip(measured["lora", "peft", None], measured["lora", "layers", None]):
         assert mixed - trainer > 4 * max(layer_and_root_numels(spec)[0]) / N
+
+
+def test_fsdp1s_own_backward_prefetch_holds_the_next_layer_and_is_planned_within_5_percent(measured, spec):
+    """FullyShardedDataParallel's default BACKWARD_PRE (Answer.AI's fsdp_qlora keeps it; accelerate sets none)
+    gathers the next unit before the running one's backward: one more layer than without, as FSDP2 holds."""
+    predicted = _plan(spec, 1, prefetch=True)
+    layer = 4 * max(layer_and_root_numels(spec)[0])  # one gathered fp32 layer
+    for with_prefetch, without in zip(measured["full", "layers", "BACKWARD_PRE"], measured["full", "layers", None]):
+        assert predicted.total == pytest.approx(with_prefetch, rel=0.05), (predicted.total, with_prefetch)
+        assert predicted.total >= 0.98 * with_prefetch
+        assert with_prefetch - without >= 0.9 * layer
+    assert predicted.total - _plan(spec, 1).total == layer
+    assert "BACKWARD_PRE prefetch" in " ".join(predicted.notes)

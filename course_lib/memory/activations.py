@@ -35,6 +35,12 @@ def checkpointing_changes(trace, setup: Setup):
 PHASES = ("forward", "head backward", "layers backward", "tail backward", "optimizer step")
 
 
+def previous_outputs(trace, setup: Setup) -> int:
+    """The previous step's outputs, alive in this forward until `outputs` is bound again: the tutorials'
+    loop ("keep-outputs"); nothing when the loop releases them after the step (lesson 1)."""
+    return trace.kept_outputs if setup.loop == "keep-outputs" else 0
+
+
 def step_phases(spec: ModelSpec, setup: Setup, states: ModelStates, trace, target: str) -> tuple[dict, dict]:
     """What each phase of the step holds at its peak on top of the weights, optimizer state, master
     weights and quantization (lesson 1, "the planner"): {phase: {"gradients": the parameter gradients
@@ -70,7 +76,7 @@ def step_phases(spec: ModelSpec, setup: Setup, states: ModelStates, trace, targe
         live = {phase: (round(g * scale), peak - g) for phase, g, peak in zip(PHASES, at, peaks)}
     phases = {phase: {"gradients": g, "activations": a + extra, "optimizer_temporaries": 0}
               for phase, (g, a) in live.items()}
-    phases["forward"]["activations"] += trace.kept_outputs  # the previous step's outputs, until `outputs` is bound again
+    phases["forward"]["activations"] += previous_outputs(trace, setup)
     # lesson 7's step in backward: no step after backward; the trace ran each update inside it
     step_temporaries = 0 if setup.optimizer_in_backward else optimizer_step_extra(
         setup.optimizer, states.trainable_shapes, states.state_itemsize, states.grad_itemsize, target == "cuda",

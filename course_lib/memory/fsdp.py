@@ -38,7 +38,8 @@ the frozen base makes no gradient, so only the adapters' gradients are unsharded
 `setup.fsdp_version == 1`: accelerate's FSDP1 (FullyShardedDataParallel; the Trainer's FSDP recipes). Its
 flat parameter is gathered into itself (no separate all-gather buffer), the root stays gathered from
 forward to backward (`_runtime_utils._post_forward_reshard` does not free the root's), and accelerate's default
-backward_prefetch (NO_PREFETCH) gathers one layer at a time in backward. The Trainer wraps LoRA's
+backward_prefetch (NO_PREFETCH) gathers one layer at a time in backward; `setup.fsdp_backward_prefetch`
+(BACKWARD_PRE, FullyShardedDataParallel's own default) gathers the next one before the running one's backward. The Trainer wraps LoRA's
 adapters as units of their own (transformers/distributed/fsdp.py `update_fsdp_plugin_peft`, peft's
 `fsdp_auto_wrap_policy`), so the frozen layers' flat parameters make no gradient, as under FSDP2.
 `tests/test_fsdp1.py` measures it on gloo.
@@ -56,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from course_lib.measure import format_bytes
-from course_lib.memory.activations import checkpointing_changes, layers_backward_peak
+from course_lib.memory.activations import checkpointing_changes, layers_backward_peak, previous_outputs
 from course_lib.memory.setup import Setup, itemsize
 from course_lib.memory.states import ModelStates, nf4_bytes, target_match
 from course_lib.models import ModelSpec, ParamInfo
@@ -165,8 +166,9 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     always = root + (0 if zero3 else all_layers + embeddings + head)
     running = largest if zero3 else 0  # zero2 gathers nothing in backward
     fsdp2 = setup.fsdp_version == 2
-    # FSDP2 prefetches the next layer in backward; accelerate's FSDP1 does not (backward_prefetch NO_PREFETCH)
-    ahead = running if fsdp2 else 0
+    # FSDP2 prefetches the next layer in backward, as FSDP1 does with BACKWARD_PRE (its own default);
+    # accelerate's FSDP1 does not (backward_prefetch NO_PREFETCH)
+    ahead = running if fsdp2 or setup.fsdp_backward_prefetch else 0
     # the trace's own gradients at the head and of all outside the layers, which the engine's buffers hold
     trace_head_grads = gr.head_side
     trace_root_grads = gr.root + gr.embeddings + gr.head
@@ -212,7 +214,7 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # each phase as (activations, gradient shards, engine buffers) over the sharded weights and states
     phases = {
         # the output layer and the loss (the head group gathered), one layer's flat all-gather buffer still held
-        "forward": (batch + trace.forward_peak_without_grads + dequant + held + trace.kept_outputs, accumulated,
+        "forward": (batch + trace.forward_peak_without_grads + dequant + held + previous_outputs(trace, setup), accumulated,
                     always + (head if zero3 else 0) + (largest if fsdp2 else 0)),
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
@@ -258,15 +260,15 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   buffers_by_phase={p: round(b) for p, (_, _, b) in phases.items()},
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
     held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
-        f"{'two layers' if fsdp2 else 'one layer'} gathered at a time in backward, one layer of unsharded " \
+        f"{'two layers' if ahead else 'one layer'} gathered at a time in backward, one layer of unsharded " \
         "gradients, a group's reduce-scatter input at the tail" + ("; overlapping at backward start: the root's " \
         "flat all-gather buffer (gloo still holds it), its unsharded parameters and the last layer's all-gather, " \
         "prefetched" if regather else "")
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
-    engine = "FSDP2" if fsdp2 else ("FSDP1 as accelerate runs it: FullyShardedDataParallel, "
-                                    f"{'FULL_SHARD' if zero3 else 'SHARD_GRAD_OP'}, no backward prefetch, the root "
-                                    "kept gathered" + (", each adapter a unit (the Trainer's peft wrap)"
-                                                       if setup.lora_rank else ""))
+    prefetch = "BACKWARD_PRE prefetch" if setup.fsdp_backward_prefetch else "no backward prefetch (accelerate's)"
+    engine = "FSDP2" if fsdp2 else (f"FSDP1: FullyShardedDataParallel, {'FULL_SHARD' if zero3 else 'SHARD_GRAD_OP'}, "
+                                    f"{prefetch}, the root kept gathered"
+                                    + (", each adapter a unit (the Trainer's peft wrap)" if setup.lora_rank else ""))
     note = (f"sharding {stage} ({engine}{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 and fsdp2 else ''}; "
             f"wrapping {wrapping}): an upper bound, the most {engine[:5]}'s schedule lets be alive at once (a measured "
             f"peak moves from run to run below it): root parameters {format_bytes(root)} gathered throughout, one "

@@ -236,13 +236,19 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
                      f"{format_bytes(states.trainable * states.state_itemsize)} more at the step "
                      "(in optimizer_temporaries when the step holds the peak); "
                      "--optimizer adamw_fused (fused=True, the Trainer's adamw_torch_fused) avoids it")
-    if spec is not None and setup.loop == "keep-outputs" and setup.chunked_loss is not None:
-        notes.append("loop keep-outputs with the chunked loss: the chunked loss makes no full logits, so the loop "
+    if spec is not None and setup.loop != "trainer" and setup.chunked_loss is not None:
+        notes.append(f"loop {setup.loop} with the chunked loss: the chunked loss makes no full logits, so the loop "
                      "keeps none (the same bytes as --loop trainer)")
     elif spec is not None:
-        notes.append("loop keep-outputs: the outputs (the logits) stay alive through backward, the step and the "
-                     "next forward" if setup.loop == "keep-outputs" else "loop trainer: only the loss is kept; "
-                     "`outputs = model(**batch); outputs.loss.backward()` keeps the logits too: --loop keep-outputs")
+        notes.append({"keep-outputs": "loop keep-outputs: the outputs (the logits) stay alive through backward, the "
+                                      "step and the next forward",
+                      "outputs-until-step": "loop outputs-until-step: the outputs (the logits) stay alive through "
+                                            "backward and the step, released before the next forward",
+                      "trainer": "loop trainer: only the loss is kept; `outputs = model(**batch); "
+                                 "outputs.loss.backward()` keeps the logits too: --loop keep-outputs"}[setup.loop])
+    if spec is not None and setup.legacy_causal_lm_loss:
+        notes.append("legacy causal-LM loss (transformers before 4.46): the model returns fp32 logits and the loss "
+                     "copies the shifted ones; from 4.46 the logits stay in the model's dtype")
     if setup.fp32_main_grads:
         source = "docs/references.md#megatron-core-docs-distributed-optimizer"
         notes.append(f"{setup.precision}: Megatron Core's main gradients ({source}): the backward's gradients "
@@ -289,7 +295,7 @@ def _phase_line(phases: dict) -> str:
 
 
 SHAPE_OPTIONS = ("batch", "seq", "checkpointing", "accum", "attention", "loop", "chunked_loss", "offload_activations",
-                 "lora_dropout")
+                 "lora_dropout", "legacy_causal_lm_loss")
 
 
 def _check_setup_for(spec: ModelSpec | None, name: str, setup: Setup) -> list[str]:

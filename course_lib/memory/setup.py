@@ -15,7 +15,7 @@ OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit", "paged_ada
               "adafactor", "lion")
 QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
-LOOPS = ("trainer", "keep-outputs")
+LOOPS = ("trainer", "keep-outputs", "outputs-until-step")
 SHARDS = ("none", "zero1", "zero2", "zero3")  # lesson 6, `course_lib.memory.sharded`
 FSDP_WRAPPINGS = ("blocks", "torchtitan")  # lesson 6, `course_lib.sharding.engines.fsdp_units`
 FSDP_VERSIONS = (1, 2)  # accelerate's FSDP1 (FullyShardedDataParallel) and FSDP2 (fully_shard)
@@ -60,7 +60,12 @@ class Setup:
     parameter to fp32.
     loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
     `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
-    backward and the step, and into the next forward until `outputs` is bound again.
+    backward and the step, and into the next forward until `outputs` is bound again; "outputs-until-step"
+    releases them after the step (`output = None`, as Answer.AI's fsdp_qlora train.py does).
+    legacy_causal_lm_loss: the loss as transformers computed it before 4.46 (LlamaForCausalLM.forward of
+    v4.38 to v4.45, and the heads copied from it): the model upcasts the logits to fp32 and returns them,
+    and copies the shifted logits for CrossEntropyLoss (`logits[..., :-1, :].contiguous()`); from 4.46 the
+    logits stay in the model's dtype and the loss upcasts them (transformers pull requests 31292, 33902).
     gpus: None (one GPU, no data parallelism) or N GPUs training together, `batch` per GPU; shard:
     "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.memory.sharded`). Under zero2/zero3
     (FSDP2) the precision is MixedPrecisionPolicy's param_dtype (mixed-bf16: an fp32 model gathered in
@@ -70,7 +75,9 @@ class Setup:
     fsdp_version: 2 (FSDP2, `course_lib.sharding.engines`) or 1: accelerate's FSDP1 (the Trainer's FSDP
     recipes: FullyShardedDataParallel, zero2 = SHARD_GRAD_OP, zero3 = FULL_SHARD, accelerate's default
     backward_prefetch NO_PREFETCH, LoRA's adapters each a unit of their own as the Trainer wraps them with
-    peft's fsdp_auto_wrap_policy; `tests/test_fsdp1.py` measures it), with FSDP2's other options at theirs.
+    peft's fsdp_auto_wrap_policy; `tests/test_fsdp1.py` measures it), with FSDP2's other options at theirs;
+    fsdp_backward_prefetch (FSDP1 only): True is FullyShardedDataParallel's own default BACKWARD_PRE (the
+    next unit gathered before the running one's gradients, as FSDP2 always does), False accelerate's.
     Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
     chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
     moves what autograd saves to host memory (torch's save_on_cpu).
@@ -91,12 +98,14 @@ class Setup:
     accum: int = 1
     attention: str = "sdpa"
     loop: str = "trainer"
+    legacy_causal_lm_loss: bool = False
     gpus: int | None = None
     shard: str = "none"
     fsdp_wrapping: str = "blocks"
     fsdp_reduce_dtype: str | None = None
     fsdp_reshard_root: bool = True
     fsdp_version: int = 2
+    fsdp_backward_prefetch: bool = False
     optimizer_in_backward: bool = False
     chunked_loss: int | None = None
     offload_activations: bool = False
@@ -109,6 +118,7 @@ class Setup:
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
         validate.strict_bool("prepare_kbit", self.prepare_kbit, error=PlanError)
+        validate.strict_bool("legacy_causal_lm_loss", self.legacy_causal_lm_loss, error=PlanError)
         if self.lora_targets != "all-linear":
             validate.strings("lora_targets", self.lora_targets, error=PlanError)
         if self.prepare_kbit and self.lora_rank == 0:
@@ -206,6 +216,10 @@ def _validate_sharding(setup: Setup) -> None:
     if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root, setup.fsdp_version) \
             != ("blocks", None, True, 2) and setup.shard not in ("zero2", "zero3"):
         raise PlanError(f"the --fsdp-* options configure FSDP: they need --shard zero2 or zero3, not {setup.shard}")
+    validate.strict_bool("fsdp_backward_prefetch", setup.fsdp_backward_prefetch, error=PlanError)
+    if setup.fsdp_backward_prefetch and setup.fsdp_version != 1:
+        raise PlanError("--fsdp-backward-prefetch configures FSDP1 (FSDP2 always prefetches the next layer in "
+                        "backward): add --fsdp-version 1 --shard zero2 or zero3, or leave it out")
     if setup.fsdp_version == 1 and (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) \
             != ("blocks", None, True):
         raise PlanError("--fsdp-wrapping, --fsdp-reduce-dtype and --fsdp-keep-root-gathered configure FSDP2: "
@@ -225,6 +239,9 @@ def _validate_toolbox(setup: Setup) -> None:
         if not isinstance(getattr(setup, name), bool):
             raise PlanError(f"{name} must be True or False, got {getattr(setup, name)!r}")
     chunk = setup.chunked_loss
+    if chunk is not None and setup.legacy_causal_lm_loss:
+        raise PlanError("chunked_loss with legacy_causal_lm_loss: the chunked loss replaces the model's own loss, "
+                        "whose transformers version the legacy option describes; choose one")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise PlanError(f"chunked_loss must be a positive number of tokens per chunk (or None: the plain "
                         f"loss), got {chunk!r}")

@@ -15,6 +15,7 @@ import torch
 
 from course_lib.measure import format_bytes
 from course_lib.memory.states import optimizer_step_extra
+from course_lib.models import legacy_causal_lm_loss
 from course_lib.paging.policies import PCIE3_X16
 from course_lib.toolbox.activation_offload import transfer_seconds
 from course_lib.toolbox.chunked_loss import chunked_causal_lm_loss
@@ -41,6 +42,8 @@ def traced_loss(model: torch.nn.Module, ids: torch.Tensor, setup, autocast=None)
     """(loss, outputs kept by the loop) of the traced step: the model's own loss, or lesson 7's chunked one
     (each chunk's recompute under `autocast`, the trace's autocast on the meta device, as torch.autocast's
     state is restored for a checkpoint's recompute)."""
+    if setup.legacy_causal_lm_loss:
+        return legacy_causal_lm_loss(model, ids, ids)
     if setup.chunked_loss is None:
         outputs = model(input_ids=ids, labels=ids, use_cache=False)
         return outputs.loss, outputs

@@ -112,7 +112,7 @@ class Trace:
     output: int
     saved_outside: int
     dequant_transient: int = 0
-    kept_outputs: int = 0  # loop "keep-outputs": the outputs' bytes, alive from one forward to the next
+    kept_outputs: int = 0  # a loop that keeps the outputs: their bytes, alive through backward and the step
     # per decoder layer, how far its backward climbs above what the cost model counts (its own and the
     # earlier layers' saved bytes, the gradient arriving at it): its temporaries and what stays alive
     # outside the layers, without and with the parameter gradients (then those made so far are not
@@ -144,7 +144,7 @@ class Trace:
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets),
             float(setup.lora_dropout), setup.autocast_adapter_dtype, setup.quant != "none",
-            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop,
+            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop, setup.legacy_causal_lm_loss,
             setup.chunked_loss, setup.offload_activations,
             (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None)
 
@@ -290,7 +290,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
                 with autocast or contextlib.nullcontext():  # the Trainer's autocast: the forward and the loss
                     loss, outputs = traced_loss(model, ids, setup, autocast)
                 kept = outputs.logits.untyped_storage().nbytes() \
-                    if setup.loop == "keep-outputs" and outputs is not None else 0
+                    if setup.loop != "trainer" and outputs is not None else 0
                 if setup.loop == "trainer":
                     del outputs
                 tracer.set_phase("head_backward")
