@@ -56,7 +56,7 @@ GPUS = {
     "a100-80gb": GPU("A100 80GB", 81920 * MiB, (8, 0)),
     "h100-80gb": GPU("H100 80GB", 81559 * MiB, (9, 0), host_link="PCIe 5.0 x16", cuda_memory_bytes=81082 * MiB),
     "h200": GPU("H200", 143771 * MiB, (9, 0), "141 GB card, 143771 MiB as nvidia-smi shows it", "PCIe 5.0 x16"),
-    "rtx3090": GPU("RTX 3090", 24576 * MiB, (8, 6)),
+    "rtx3090": GPU("RTX 3090", 24576 * MiB, (8, 6), cuda_memory_bytes=24258 * MiB),
     "rtx4090": GPU("RTX 4090", 24564 * MiB, (8, 9), cuda_memory_bytes=24563 * MiB),
 }
 _GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
