@@ -4,6 +4,7 @@ metadata, tensor by tensor from the model's real parameter shapes (lesson 1, "th
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -119,14 +120,16 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
 
 
 def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], state_itemsize: int,
-                          grad_itemsize: int, cuda: bool, mixed: bool) -> int:
+                          grad_itemsize: int, cuda: bool, mixed: bool,
+                          full_state_shapes: Sequence[tuple[int, ...]] = ()) -> int:
     """Temporaries of one optimizer step beyond the state (lesson 1, "the step has a peak too").
 
     torch AdamW on the CPU (single-tensor): sqrt(v) and its division live together, 2 x the largest
     tensor; on CUDA the default foreach path makes sqrt(v) for all tensors at once, 1 x all of them.
     Fused AdamW (`fused=True`) updates in place on either device (measured on a CPU: 12 B over the state).
     bitsandbytes' CUDA kernels update in place; its CPU kernels work on fp32 copies, one tensor at a time
-    (`_bnb_cpu_step_bytes`). transformers' Adafactor (measured, lesson 7): the update
+    (`_bnb_cpu_step_bytes`; `full_state_shapes`: those of `shapes` an 8-bit optimizer keeps in 32 bits, the
+    Trainer's embeddings, stepped by the 32-bit kernel). transformers' Adafactor (measured, lesson 7): the update
     and its negation in fp32, 8 bytes per value of the largest tensor, 16 for a 16-bit one (fp32 copies
     of its gradient and of itself). Mixed precision converts each gradient to fp32 for the master update.
     """
@@ -138,7 +141,13 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
     if optimizer == "adamw":
         extra = sum(numels) * state_itemsize if cuda else 2 * largest * state_itemsize
     elif optimizer in ("adamw8bit", "paged_adamw8bit", "paged_adamw32bit") and not cuda:
-        extra = max(_bnb_cpu_step_bytes(optimizer, n, grad_itemsize) for n in numels)
+        full = Counter(tuple(s) for s in full_state_shapes)
+        kernels = []
+        for shape, n in zip(shapes, numels):
+            in_32_bits = full[tuple(shape)] > 0
+            full[tuple(shape)] -= in_32_bits
+            kernels.append(_bnb_cpu_step_bytes("paged_adamw32bit" if in_32_bits else optimizer, n, grad_itemsize))
+        extra = max(kernels)
     elif optimizer == "adafactor":  # update and its negation (fp32), plus fp32 copies of a 16-bit grad and param
         extra = max(4 * math.prod(s) * (2 if grad_itemsize == 4 else 4)
                     + 4 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else 1) for s in shapes)
@@ -171,6 +180,8 @@ class ModelStates:
     trainable: int
     frozen: int
     trainable_shapes: list[tuple[int, ...]] = field(repr=False, default_factory=list)
+    # trained embeddings, which the Trainer has bitsandbytes' 8-bit optimizers keep (and step) in 32 bits
+    embedding_shapes: list[tuple[int, ...]] = field(repr=False, default_factory=list)
     grad_itemsize: int = 4
     state_itemsize: int = 4
 
@@ -216,7 +227,7 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
             optimizer_state=optimizer_state,
             master_weights=4 * sum(numels) if mixed else 0, quantization=0,
             trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=read_size,
-            state_itemsize=state_size)
+            state_itemsize=state_size, embedding_shapes=[p.shape for p in spec.params if p.module == "embedding"])
 
     # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default);
     # autocast_adapter_dtype=False: adapters, gradients and torch optimizer state in the base's dtype.

@@ -51,15 +51,17 @@ def traced_loss(model: torch.nn.Module, ids: torch.Tensor, setup, autocast=None)
     return chunked_causal_lm_loss(model, ids, ids, setup.chunked_loss, recompute_context=again), None
 
 
-def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool):
+def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool, embeddings: frozenset = frozenset()):
     """A post-accumulate-grad hook for the traced step: the step's temporaries for this one tensor,
-    then its gradient freed, as `course_lib.toolbox.OptimizerInBackward` does (lesson 7)."""
+    then its gradient freed, as `course_lib.toolbox.OptimizerInBackward` does (lesson 7); `embeddings`:
+    the ids of the embedding weights, which an 8-bit optimizer steps in 32 bits (the Trainer's override)."""
     mixed = setup.precision.startswith("mixed")
 
     def hook(param):
         grad = param.grad
-        extra = optimizer_step_extra(setup.optimizer, [tuple(param.shape)], state_itemsize, grad.element_size(),
-                                     cuda, mixed)
+        shape = tuple(param.shape)
+        extra = optimizer_step_extra(setup.optimizer, [shape], state_itemsize, grad.element_size(), cuda, mixed,
+                                     [shape] if id(param) in embeddings else [])
         temporaries = torch.empty(extra, dtype=torch.uint8, device=param.device) if extra else None
         del temporaries
         tracer.grad_bytes -= grad.untyped_storage().nbytes()

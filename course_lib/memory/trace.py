@@ -268,8 +268,9 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
 
     in_backward = None
     if setup.optimizer_in_backward:  # lesson 7: the step's temporaries of one tensor, then its gradient freed
+        embeddings = frozenset(id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding))
         in_backward = step_in_backward_hook(tracer, setup, model_states(spec, setup, cuda=target == "cuda")
-                                            .state_itemsize, target == "cuda")
+                                            .state_itemsize, target == "cuda", embeddings)
     for param in model.parameters():
         if param.requires_grad:
             handles.append(param.register_post_accumulate_grad_hook(grad_hook))
