@@ -137,3 +137,19 @@ def test_fsdp1s_own_backward_prefetch_holds_the_next_layer_and_is_planned_within
         assert with_prefetch - without >= 0.9 * layer
     assert predicted.total - _plan(spec, 1).total == layer
     assert "BACKWARD_PRE prefetch" in " ".join(predicted.notes)
+
+
+def test_fsdp1s_unshard_stream_reserves_its_own_peak():
+    """The gathered units live in the unshard stream's pool, the rest of the step in the default stream's:
+    each pool reserves its own peak (predicted; a CPU has no streams)."""
+    from course_lib.memory.fsdp import unshard_pool_extra
+
+    # the step peaks at phase a (10); the gathered bytes peak at b (5); the rest at a (10 - 2)
+    assert unshard_pool_extra({"a": 10, "b": 8, "c": 1}, {"a": 2, "b": 5}) == 8 + 5 - 10
+    assert unshard_pool_extra({"a": 10, "b": 8}, {"a": 5, "b": 5}) == 0  # the same peak: nothing more
+    options = dict(lora_rank=64, precision="bf16", batch=4, seq=2048, gpus=2, shard="zero3",
+                   checkpointing="every-layer", gpu="rtx3090", suggest=False)
+    fsdp1 = plan("llama-2-7b", fsdp_version=1, fsdp_backward_prefetch=True, **options)
+    assert fsdp1.detail["stream_pools_extra"] > 0
+    assert fsdp1.reserved - fsdp1.oom_line.allocated >= fsdp1.detail["stream_pools_extra"]
+    assert plan("llama-2-7b", **options).detail["stream_pools_extra"] == 0  # FSDP2's streams: not modelled

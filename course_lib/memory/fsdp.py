@@ -141,6 +141,16 @@ def unit_sizes(spec: ModelSpec, setup: Setup, values: dict) -> tuple[Callable, C
     return (lambda info: stored(info) + 4 * adapters(info)), (lambda info: 4 * adapters(info))
 
 
+def unshard_pool_extra(totals: dict[str, float], gathered: dict[str, float]) -> float:
+    """What FSDP1's own CUDA stream adds to the reserve (lesson 6): `_runtime_utils._unshard` gathers each
+    unit's flat parameter under `unshard_stream`, and the caching allocator keeps a pool of blocks per
+    stream, so the gathered units and the rest of the step each reserve their own peak: the sum of the two
+    peaks less the step's (`totals` and the `gathered` bytes by phase; a phase not named gathers none).
+    Predicted: CPU has no streams to measure it on."""
+    rest = max(total - gathered.get(name, 0) for name, total in totals.items())
+    return max(0.0, rest + max(gathered.values()) - max(totals.values()))
+
+
 def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: ModelStates,
                 step_temporaries: int) -> tuple[dict, dict, str]:
     """One rank's bytes by category under zero2/zero3 (the peak phase's), the details, and a note."""
@@ -247,6 +257,10 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
               for name, (a, gs, b) in phases.items()}
     phase = max(totals, key=totals.get)
     activations, grad_shards, buffers = phases[phase]
+    pools = 0 if fsdp2 else unshard_pool_extra(totals, {
+        "forward": always + (head if zero3 else 0), "head backward": always + (head if zero3 else 0) + ahead,
+        "layers backward": always + running + ahead + (head_input if zero3 else 0),
+        "tail backward": always + (embeddings if zero3 else 0), "backward start": always + ahead})
     out["activations"], out["gradients"] = round(activations), round(grad_shards)
     out["sharding_buffers"] = round(buffers)
     out["optimizer_temporaries"] = temporaries if phase == "optimizer step" else 0
@@ -255,7 +269,7 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
                   backward_peak=round(model_states + max(totals[p] for p in phases
                                                          if p not in ("forward", "optimizer step"))),
                   optimizer_step_peak=round(model_states + totals["optimizer step"]),
-                  gradient_shards=gradient_shards, root_params=round(g.root),
+                  gradient_shards=gradient_shards, root_params=round(g.root), stream_pools_extra=round(pools),
                   activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
                   buffers_by_phase={p: round(b) for p, (_, _, b) in phases.items()},
                   on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))

@@ -274,7 +274,7 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"the peak is the {peak_phase}'s: the categories are what is live then (gradients: those made "
                      f"so far; activations: saved for backward, the transients and the batch); "
                      f"{_phase_line(phases)}")
-    oom_line = reserved_prediction(spec, setup, states, values, trace, card) if cuda else None
+    oom_line = reserved_prediction(spec, setup, states, values, trace, card, detail) if cuda else None
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes,
                 oom_line=oom_line)
 

@@ -12,7 +12,10 @@ docs/references.md#pytorch-atensrcatencudacublashandlepoolcpp-cublas-workspaces)
   trace; composed for a deep model; scaled down with the activations under checkpointing);
 - the cuBLAS and cuBLASLt workspaces, which torch allocates through the caching allocator, one of each
   per (handle, stream): the main thread's handle (forward, optimizer step) and the autograd engine's
-  device thread's (backward).
+  device thread's (backward);
+- under FSDP1, the unshard stream's own pool: the gathered units reserve their peak apart from the rest
+  of the step (`course_lib.memory.fsdp.unshard_pool_extra`). FSDP2's all-gather and reduce-scatter
+  streams are not modelled (a sharded figure is a lower bound).
 Outside the allocator, nvidia-smi also counts the CUDA context (a typical figure, `CUDA_CONTEXT_BYTES`)
 and paged optimizer state (managed memory, resident when there is room). Every figure is predicted.
 """
@@ -152,10 +155,11 @@ class Reserved:
                 "fits": self.fits}
 
 
-def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu: GPU) -> Reserved:
+def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu: GPU,
+                        detail: dict | None = None) -> Reserved:
     """The OOM line of one planned step on `gpu` (lesson 1): `values` are the plan's bytes by category
     (one GPU's share under --gpus), `states` its model states, `trace` its meta-device trace (None for a
-    bare parameter count: then the step adds no slack)."""
+    bare parameter count: then the step adds no slack), `detail` the plan's (FSDP1's stream pool)."""
     allocated = values["total"] - values["overhead"]
     paged = setup.optimizer.startswith("paged")
     managed = values["optimizer_state"] if paged else 0  # cudaMallocManaged: outside the caching allocator
@@ -170,6 +174,7 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
         peak = max(trace.forward_peak, trace.head_backward_peak, trace.layer_backward_peak, trace.tail_backward_peak)
         step = values["activations"] + values["gradients"]
         slack += trace.allocator_slack if peak <= step else trace.allocator_slack * step // max(1, peak)
+    slack += detail.get("stream_pools_extra", 0) if detail else 0  # FSDP1's unshard stream's pool
     capacity = gpu.cuda_memory_bytes or gpu.memory_bytes
     return Reserved(allocated, allocated - managed + slack, sum(workspaces), values["overhead"] or CUDA_CONTEXT_BYTES,
                     managed, capacity, gpu.cuda_memory_bytes is not None)
