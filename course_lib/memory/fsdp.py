@@ -39,9 +39,10 @@ the frozen base makes no gradient, so only the adapters' gradients are unsharded
 flat parameter is gathered into itself (no separate all-gather buffer), the root stays gathered from
 forward to backward (`_runtime_utils._post_forward_reshard` does not free the root's), and accelerate's default
 backward_prefetch (NO_PREFETCH) gathers one layer at a time in backward; `setup.fsdp_backward_prefetch`
-(BACKWARD_PRE, FullyShardedDataParallel's own default) gathers the next one before the running one's backward. The Trainer wraps LoRA's
-adapters as units of their own (transformers/distributed/fsdp.py `update_fsdp_plugin_peft`, peft's
-`fsdp_auto_wrap_policy`), so the frozen layers' flat parameters make no gradient, as under FSDP2.
+(BACKWARD_PRE, FullyShardedDataParallel's own default) gathers the next one before the running one's
+backward. The Trainer wraps LoRA's adapters as units of their own (transformers/distributed/fsdp.py
+`update_fsdp_plugin_peft`, peft's `fsdp_auto_wrap_policy`), so the frozen layers' flat parameters make no
+gradient, as under FSDP2.
 `tests/test_fsdp1.py` measures it on gloo.
 
 Mixed precision is `MixedPrecisionPolicy(param_dtype=16-bit)` on an fp32 model: the shards of the
@@ -224,7 +225,8 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     # each phase as (activations, gradient shards, engine buffers) over the sharded weights and states
     phases = {
         # the output layer and the loss (the head group gathered), one layer's flat all-gather buffer still held
-        "forward": (batch + trace.forward_peak_without_grads + dequant + held + previous_outputs(trace, setup), accumulated,
+        "forward": (batch + trace.forward_peak_without_grads + dequant + held + previous_outputs(trace, setup),
+                    accumulated,
                     always + (head if zero3 else 0) + (largest if fsdp2 else 0)),
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
