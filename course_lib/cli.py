@@ -82,13 +82,22 @@ def _checked(check, **options):
 _POSITIVE_INT = _checked(validate.positive_int)
 
 
+def _lora_targets(text: str) -> str | tuple[str, ...]:
+    """--lora-targets: "all-linear", or module names separated by commas (peft's target_modules)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give module names separated by commas (e.g. q_proj,v_proj) or all-linear")
+    return "all-linear" if names == ("all-linear",) else names
+
+
 def _plan(args: argparse.Namespace) -> int:
     # off the import path: course_lib.memory imports torch (a second): keeps `course-lib grade` light
     from course_lib.memory import PlanError, plan_from_cli
 
     try:
         result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
-                               lora_rank=args.lora_rank, lora_dropout=args.lora_dropout,
+                               lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                               lora_dropout=args.lora_dropout,
                                autocast_adapter_dtype=args.autocast_adapter_dtype, quant=args.quant, batch=args.batch,
                                seq=args.seq, checkpointing=args.checkpointing, accum=args.accum,
                                attention=args.attention, loop=args.loop,
@@ -161,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit",
                       "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
     plan.add_argument("--lora-rank", type=_checked(validate.non_negative_int), default=0, metavar="R", help="train LoRA adapters of rank R")
+    plan.add_argument("--lora-targets", type=_lora_targets, metavar="NAMES",
+                      help="modules that get adapters, comma-separated (e.g. q_proj,v_proj; default all-linear: "
+                           "every linear layer but the output layer)")
     plan.add_argument("--lora-dropout", type=_checked(validate.probability, below_one=True), metavar="P",
                       help="peft's lora_dropout (default 0.0, peft's; the QLoRA paper used 0.05 and 0.1)")
     plan.add_argument("--no-autocast-adapter-dtype", dest="autocast_adapter_dtype", action="store_false",

@@ -153,3 +153,21 @@ def test_the_cli_plans_the_published_rows_options_and_refuses_them_where_they_me
     assert "--fsdp-version 1" in capsys.readouterr().err
     assert cli.main(["plan", "--params", "7e9", "--legacy-causal-lm-loss"]) == 2
     assert "cannot change a plan from --params" in capsys.readouterr().err
+
+
+def test_the_cli_builds_an_answerai_rows_setup_from_its_options(capsys):
+    """Every option a published row needs is a `course-lib plan` option: the CLI's plan of fq-lora-b1-512's
+    options is the script's plan of the row."""
+    from course_lib import cli
+
+    row = {r["id"]: r for r in accuracy.load_rows()}["fq-lora-b1-512"]
+    expected = plan(row["model"], accuracy.setup_of(row), gpu=accuracy.card_of(row), suggest=False)
+    args = ["plan", row["model"], "--lora-rank", row["lora_rank"], "--lora-targets", ",".join(row["lora_targets"].split()),
+            "--lora-dropout", row["lora_dropout"], "--precision", row["dtype"], "--batch", row["micro_batch"],
+            "--seq", row["seq"], "--checkpointing", row["checkpointing"], "--no-autocast-adapter-dtype",
+            "--loop", row["loop"], "--legacy-causal-lm-loss", "--gpus", row["gpus"], "--shard", "zero3",
+            "--fsdp-version", row["fsdp_version"], "--fsdp-backward-prefetch", "--gpu", row["gpu"], "--json"]
+    assert cli.main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["bytes"] == dict(expected.bytes)
+    assert printed["reserved"]["reserved_bytes"] == expected.reserved
