@@ -569,3 +569,17 @@ def test_megatrons_main_gradient_recipes_are_its_18_and_20_bytes(precision, per_
     with pytest.raises(PlanError, match="one GPU") as error:
         plan(1000, precision=precision, gpus=2)
     assert "\n" not in str(error.value)
+
+
+def test_transformers_adafactor_keeps_fp32_state_for_16_bit_adapters_too():
+    """transformers' Adafactor keeps its statistics in fp32 whatever the parameter's dtype, as the full
+    fine-tune plans it: bf16 adapters (peft's autocast_adapter_dtype=False) get the same state as fp32 ones."""
+    from course_lib.memory.states import model_states
+    from course_lib.models import model_spec
+
+    spec = model_spec("llama-3.2-1b")
+    fp32, bf16 = (model_states(spec, Setup(precision="bf16", lora_rank=8, optimizer="adafactor",
+                                           autocast_adapter_dtype=autocast)) for autocast in (True, False))
+    assert bf16.state_itemsize == fp32.state_itemsize == 4
+    assert bf16.optimizer_state == fp32.optimizer_state
+    assert bf16.weights < fp32.weights  # the adapters themselves are bf16

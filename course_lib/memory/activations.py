@@ -81,7 +81,7 @@ def step_phases(spec: ModelSpec, setup: Setup, states: ModelStates, trace, targe
     step_temporaries = 0 if setup.optimizer_in_backward else optimizer_step_extra(
         setup.optimizer, states.trainable_shapes, states.state_itemsize, states.grad_itemsize, target == "cuda",
         setup.precision.startswith("mixed") and not setup.fp32_main_grads,  # main gradients: already fp32
-        states.embedding_shapes)
+        states.full_state)
     phases["optimizer step"] = {"gradients": 0 if setup.optimizer_in_backward else grads,
                                 "activations": trace.kept_outputs + batch, "optimizer_temporaries": step_temporaries}
     totals = {phase: sum(parts.values()) for phase, parts in phases.items()}

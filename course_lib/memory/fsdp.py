@@ -223,46 +223,47 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     accumulated = gradient_shards if setup.accum > 1 else 0
     first_layer = not accumulated and layer_shards * (1 - share) > above
     # each phase as (activations, gradient shards, engine buffers) over the sharded weights and states
+    # the gathered parameters by phase (FSDP1 gathers them under its own stream: `unshard_pool_extra`)
+    gathered = {"forward": always + (head if zero3 else 0), "head backward": always + (head if zero3 else 0) + ahead,
+                "layers backward": always + running + ahead + (head_input if zero3 else 0),
+                "tail backward": always + (embeddings if zero3 else 0), "backward start": always + regather + ahead,
+                "final reduce-scatter": 0, "optimizer step": 0}
     phases = {
         # the output layer and the loss (the head group gathered), one layer's flat all-gather buffer still held
         "forward": (batch + trace.forward_peak_without_grads + dequant + held + previous_outputs(trace, setup),
                     accumulated,
-                    always + (head if zero3 else 0) + (largest if fsdp2 else 0)),
+                    gathered["forward"] + (largest if fsdp2 else 0)),
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
         "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + dequant + held, accumulated,
-                          always + (head if zero3 else 0) + ahead + trace_head_grads),
+                          gathered["head backward"] + trace_head_grads),
         # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
         # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
         # layer the reduced shards of all the others
         "layers backward": (batch + layers_peak + dequant - (above if first_layer else 0),
                             max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
-                            always + running + ahead + largest_grads + held_head_grads
-                            + (head_input if zero3 else 0)),
+                            gathered["layers backward"] + largest_grads + held_head_grads),
         # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
         # on gloo, torchtitan's head group's is),
         # the embeddings regathered (zero3, torchtitan) and the gradients reduce-scattered last unsharded
         # (the trace counts the embeddings' new gradient as a temporary until it is accumulated)
         "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (trace_root_grads - trace_head_grads)),
                           max(accumulated, layer_shards + head_shards),
-                          always + (embeddings if zero3 else 0) + tail_grads + reduce_input),
+                          gathered["tail backward"] + tail_grads + reduce_input),
         "backward start": (batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs, accumulated,
-                           always + regather + ahead),
+                           gathered["backward start"]),
         # the last reduce-scatter, every other group reduced and resharded, no activation left
         "final reduce-scatter": (batch + trace.kept_outputs, max(accumulated, layer_shards + head_shards) + new_shard,
-                                 last * (1 + to_reduce)),
+                                 gathered["final reduce-scatter"] + last * (1 + to_reduce)),
         # AdamW's step on the shards: its temporaries scale with them
-        "optimizer step": (batch + trace.kept_outputs, gradient_shards, 0),
+        "optimizer step": (batch + trace.kept_outputs, gradient_shards, gathered["optimizer step"]),
     }
     temporaries = round(step_temporaries * fraction)
     totals = {name: a + gs + b + (temporaries if name == "optimizer step" else 0)
               for name, (a, gs, b) in phases.items()}
     phase = max(totals, key=totals.get)
     activations, grad_shards, buffers = phases[phase]
-    pools = 0 if fsdp2 else unshard_pool_extra(totals, {
-        "forward": always + (head if zero3 else 0), "head backward": always + (head if zero3 else 0) + ahead,
-        "layers backward": always + running + ahead + (head_input if zero3 else 0),
-        "tail backward": always + (embeddings if zero3 else 0), "backward start": always + ahead})
+    pools = 0 if fsdp2 else unshard_pool_extra(totals, gathered)
     out["activations"], out["gradients"] = round(activations), round(grad_shards)
     out["sharding_buffers"] = round(buffers)
     out["optimizer_temporaries"] = temporaries if phase == "optimizer step" else 0

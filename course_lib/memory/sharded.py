@@ -41,15 +41,20 @@ PARTITIONED = {"none": (), "zero1": ("optimizer_state", "master_weights"),
 
 
 def zero1_partition(shapes: list[tuple[int, ...]], n: int) -> list[list[tuple[int, ...]]]:
-    """The trained tensors' shapes each rank owns under ZeroRedundancyOptimizer: largest tensor first
-    (a stable sort), each to the rank with the fewest elements so far (torch 2.13,
+    """The trained tensors' shapes each rank owns under ZeroRedundancyOptimizer (lesson 6)."""
+    return [[shapes[i] for i in part] for part in zero1_partition_indices(shapes, n)]
+
+
+def zero1_partition_indices(shapes: list[tuple[int, ...]], n: int) -> list[list[int]]:
+    """Which trained tensors (indices into `shapes`) each rank owns under ZeroRedundancyOptimizer: largest
+    tensor first (a stable sort), each to the rank with the fewest elements so far (torch 2.13,
     zero_redundancy_optimizer.py `_partition_parameters`; lesson 6)."""
-    parts: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    parts: list[list[int]] = [[] for _ in range(n)]
     sizes = [0] * n
-    for shape in sorted(shapes, key=math.prod, reverse=True):
+    for i in sorted(range(len(shapes)), key=lambda i: math.prod(shapes[i]), reverse=True):
         rank = sizes.index(min(sizes))
-        parts[rank].append(shape)
-        sizes[rank] += math.prod(shape)
+        parts[rank].append(i)
+        sizes[rank] += math.prod(shapes[i])
     return parts
 
 
@@ -98,14 +103,16 @@ def _zero1_local(setup: Setup, values: dict, out: dict, detail: dict, states: Mo
     """zero1's rank with the largest partition: its optimizer state, master weights and step temporaries.
     ZeroRedundancyOptimizer steps a local optimizer built over this rank's partition only
     (`_partition_parameters()[rank]`), so a foreach AdamW's sqrt(v) is that partition's, not the model's."""
-    parts = zero1_partition(list(states.trainable_shapes), setup.gpus)
-    sizes = [sum(math.prod(s) for s in part) for part in parts]
+    shapes, flags = list(states.trainable_shapes), states.full_state or (False,) * len(states.trainable_shapes)
+    parts = zero1_partition_indices(shapes, setup.gpus)
+    sizes = [sum(math.prod(shapes[i]) for i in part) for part in parts]
     rank = sizes.index(max(sizes))
     share = sizes[rank] / sum(sizes)
     for category in ("optimizer_state", "master_weights"):
         out[category] = round(values[category] * share)
-    local = optimizer_step_extra(setup.optimizer, parts[rank], states.state_itemsize, states.grad_itemsize, cuda,
-                                 setup.precision.startswith("mixed"))
+    local = optimizer_step_extra(setup.optimizer, [shapes[i] for i in parts[rank]], states.state_itemsize,
+                                 states.grad_itemsize, cuda, setup.precision.startswith("mixed"),
+                                 [flags[i] for i in parts[rank]])
     # the temporaries over the activations' peak shrink by what the local step does not make
     out["optimizer_temporaries"] = max(0, values["optimizer_temporaries"] - (step_temporaries - local))
     detail.update(zero1_rank_shares=[size / sum(sizes) for size in sizes], zero1_rank=rank,

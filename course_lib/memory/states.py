@@ -4,19 +4,18 @@ metadata, tensor by tensor from the model's real parameter shapes (lesson 1, "th
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from course_lib import validate
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.models import ModelSpec, ParamInfo
+from course_lib.paging.policies import BNB_MIN_8BIT_SIZE
 
 # bitsandbytes 0.50.2 (optim/optimizer.py, Optimizer2State; docs/references.md): 8-bit blockwise
 # state, 256 values per float32 absmax; tensors below 4096 elements keep 32-bit state; two 256-entry
 # float32 quantization maps per optimizer.
 BNB_BLOCK = 256
-BNB_MIN_8BIT_SIZE = 4096
 BNB_QMAPS_BYTES = 2 * 256 * 4
 # NF4 (bitsandbytes quantize_4bit): two values per byte, a float32 absmax per 64 values and a
 # 16-entry float32 code table per tensor; double quantization stores the absmax as uint8 in blocks of
@@ -121,15 +120,15 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
 
 def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], state_itemsize: int,
                           grad_itemsize: int, cuda: bool, mixed: bool,
-                          full_state_shapes: Sequence[tuple[int, ...]] = ()) -> int:
+                          full_state: Sequence[bool] = ()) -> int:
     """Temporaries of one optimizer step beyond the state (lesson 1, "the step has a peak too").
 
     torch AdamW on the CPU (single-tensor): sqrt(v) and its division live together, 2 x the largest
     tensor; on CUDA the default foreach path makes sqrt(v) for all tensors at once, 1 x all of them.
     Fused AdamW (`fused=True`) updates in place on either device (measured on a CPU: 12 B over the state).
     bitsandbytes' CUDA kernels update in place; its CPU kernels work on fp32 copies, one tensor at a time
-    (`_bnb_cpu_step_bytes`; `full_state_shapes`: those of `shapes` an 8-bit optimizer keeps in 32 bits, the
-    Trainer's embeddings, stepped by the 32-bit kernel). transformers' Adafactor (measured, lesson 7): the update
+    (`_bnb_cpu_step_bytes`; `full_state`, one flag per entry of `shapes`: a tensor an 8-bit optimizer keeps
+    in 32 bits, the Trainer's embeddings, stepped by the 32-bit kernel). transformers' Adafactor (measured, lesson 7): the update
     and its negation in fp32, 8 bytes per value of the largest tensor, 16 for a 16-bit one (fp32 copies
     of its gradient and of itself). Mixed precision converts each gradient to fp32 for the master update.
     """
@@ -141,13 +140,9 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
     if optimizer == "adamw":
         extra = sum(numels) * state_itemsize if cuda else 2 * largest * state_itemsize
     elif optimizer in ("adamw8bit", "paged_adamw8bit", "paged_adamw32bit") and not cuda:
-        full = Counter(tuple(s) for s in full_state_shapes)
-        kernels = []
-        for shape, n in zip(shapes, numels):
-            in_32_bits = full[tuple(shape)] > 0
-            full[tuple(shape)] -= in_32_bits
-            kernels.append(_bnb_cpu_step_bytes("paged_adamw32bit" if in_32_bits else optimizer, n, grad_itemsize))
-        extra = max(kernels)
+        flags = list(full_state) or [False] * len(numels)
+        extra = max(_bnb_cpu_step_bytes(n, grad_itemsize, optimizer != "paged_adamw32bit" and not in_32_bits
+                                        and n >= BNB_MIN_8BIT_SIZE) for n, in_32_bits in zip(numels, flags))
     elif optimizer == "adafactor":  # update and its negation (fp32), plus fp32 copies of a 16-bit grad and param
         extra = max(4 * math.prod(s) * (2 if grad_itemsize == 4 else 4)
                     + 4 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else 1) for s in shapes)
@@ -156,16 +151,16 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
     return extra
 
 
-def _bnb_cpu_step_bytes(optimizer: str, n: int, grad_itemsize: int) -> int:
+def _bnb_cpu_step_bytes(n: int, grad_itemsize: int, eight_bit: bool) -> int:
     """The most bitsandbytes' CPU Adam kernels hold at once beyond one n-value tensor's state
     (bitsandbytes 0.50 backends/cpu/ops.py, lesson 0's "inside operators"). The 8-bit kernel
     (`_optimizer_update_8bit_blockwise_cpu`): both moments dequantized to fp32, the scaled gradient,
     and sqrt(v) with its division by the bias correction, 5 fp32 values a value; a 16-bit gradient and
     weight add their fp32 copies, 6. The 32-bit kernel (`_optimizer_update_32bit_cpu`, for tensors
-    under 4096 values and paged_adamw32bit): the scaled gradient, sqrt(v) + eps and the update, 3;
-    with a 16-bit gradient and weight, 4."""
+    under 4096 values, paged_adamw32bit and the Trainer's 32-bit embeddings): the scaled gradient,
+    sqrt(v) + eps and the update, 3; with a 16-bit gradient and weight, 4."""
     sixteen = grad_itemsize != 4
-    if optimizer != "paged_adamw32bit" and n >= BNB_MIN_8BIT_SIZE:
+    if eight_bit:
         return (24 if sixteen else 20) * n
     return (16 if sixteen else 12) * n
 
@@ -180,8 +175,9 @@ class ModelStates:
     trainable: int
     frozen: int
     trainable_shapes: list[tuple[int, ...]] = field(repr=False, default_factory=list)
-    # trained embeddings, which the Trainer has bitsandbytes' 8-bit optimizers keep (and step) in 32 bits
-    embedding_shapes: list[tuple[int, ...]] = field(repr=False, default_factory=list)
+    # per trained tensor: an embedding, which the Trainer has bitsandbytes' 8-bit optimizers keep (and step)
+    # in 32 bits
+    full_state: tuple[bool, ...] = field(repr=False, default=())
     grad_itemsize: int = 4
     state_itemsize: int = 4
 
@@ -196,44 +192,49 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
     grad_size = {"mixed-bf16-fp32grads": 4, "mixed-fp16-fp32grads": 2 + 4}.get(setup.precision, wsize)
     read_size = 4 if setup.fp32_main_grads else wsize  # what the optimizer reads
     torch_opt = setup.optimizer in ("adamw", "adamw_fused", "momentum", "adafactor")
+
+    def state_size(param_size: int, master: bool = mixed) -> int:
+        """torch's rule, the parameter's dtype; fp32 beside fp32 master weights, with adam_state="fp32", and
+        in transformers' Adafactor and bitsandbytes' optimizers, whatever the parameter's dtype."""
+        fp32 = master or setup.adam_state == "fp32" or setup.optimizer == "adafactor" or not torch_opt
+        return 4 if fp32 else param_size
     if spec is None:
         if setup.lora_rank or setup.quant != "none":
             raise PlanError("LoRA and quantization need the model's layer shapes: give a model name or "
                             "config.json, not only --params")
         if setup.optimizer == "adafactor":
             optimizer_state_bytes("adafactor", [n_params], 4)  # raises: shapes needed
-        state_size = 4 if (mixed or setup.adam_state == "fp32" or not torch_opt) else wsize
         return ModelStates(
             weights=n_params * wsize, gradients=n_params * grad_size,
-            optimizer_state=optimizer_state_bytes(setup.optimizer, [n_params], state_size, step_counters=False),
+            optimizer_state=optimizer_state_bytes(setup.optimizer, [n_params], state_size(wsize), step_counters=False),
             master_weights=4 * n_params if mixed else 0, quantization=0, trainable=n_params, frozen=0,
-            grad_itemsize=read_size, state_itemsize=state_size)
+            grad_itemsize=read_size, state_itemsize=state_size(wsize))
 
     step_counters = not cuda
     if not setup.lora_rank:
         shapes = [p.shape for p in spec.params]
         numels = [p.numel for p in spec.params]
-        state_size = 4 if (mixed or setup.adam_state == "fp32" or setup.optimizer == "adafactor") else wsize
+        full_state = state_size(wsize)
         if setup.optimizer in ("adamw8bit", "paged_adamw8bit"):  # the Trainer's override: embeddings in 32 bits
             optimizer_state = optimizer_state_bytes(setup.optimizer, [p.numel for p in spec.params
                                                                       if p.module != "embedding"],
-                                                    state_size, per_tensor=setup.optimizer_in_backward) \
+                                                    full_state, per_tensor=setup.optimizer_in_backward) \
                 + 8 * sum(p.numel for p in spec.params if p.module == "embedding")
         else:
-            optimizer_state = optimizer_state_bytes(setup.optimizer, numels, state_size, shapes, step_counters,
+            optimizer_state = optimizer_state_bytes(setup.optimizer, numels, full_state, shapes, step_counters,
                                                     setup.optimizer_in_backward)
         return ModelStates(
             weights=sum(numels) * wsize, gradients=sum(numels) * grad_size,
             optimizer_state=optimizer_state,
             master_weights=4 * sum(numels) if mixed else 0, quantization=0,
             trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=read_size,
-            state_itemsize=state_size, embedding_shapes=[p.shape for p in spec.params if p.module == "embedding"])
+            state_itemsize=full_state, full_state=tuple(p.module == "embedding" for p in spec.params))
 
     # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default);
     # autocast_adapter_dtype=False: adapters, gradients and torch optimizer state in the base's dtype.
     lora = _lora_shapes(spec, setup)
     adapter_size = 4 if setup.autocast_adapter_dtype else wsize
-    adapter_state = 4 if (setup.adam_state == "fp32" or not torch_opt) else adapter_size
+    adapter_state = state_size(adapter_size, master=False)  # LoRA keeps no master copy
     lora_numels = [math.prod(s) for s in lora]
     weights = quantization = 0
     base_size = 4 if setup.prepare_kbit else wsize

@@ -61,7 +61,7 @@ def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool, embedd
         grad = param.grad
         shape = tuple(param.shape)
         extra = optimizer_step_extra(setup.optimizer, [shape], state_itemsize, grad.element_size(), cuda, mixed,
-                                     [shape] if id(param) in embeddings else [])
+                                     [id(param) in embeddings])
         temporaries = torch.empty(extra, dtype=torch.uint8, device=param.device) if extra else None
         del temporaries
         tracer.grad_bytes -= grad.untyped_storage().nbytes()

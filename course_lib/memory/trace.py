@@ -144,7 +144,8 @@ class Trace:
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets),
             float(setup.lora_dropout), setup.autocast_adapter_dtype, setup.quant != "none",
-            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop, setup.legacy_causal_lm_loss,
+            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop != "trainer",
+            setup.legacy_causal_lm_loss,
             setup.chunked_loss, setup.offload_activations,
             (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None)
 
