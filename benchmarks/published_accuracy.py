@@ -29,7 +29,7 @@ from pathlib import Path
 
 from course_lib.errors import UserError
 from course_lib.measure import GiB, MiB
-from course_lib.memory import GPU, PlanError, Setup, get_gpu, plan
+from course_lib.memory import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
 
 DATA = Path(__file__).with_name("data") / "published_runs.csv"
 UNITS = {"bytes": 1, "MB": 10**6, "MiB": MiB, "GB": 10**9, "GiB": GiB}
@@ -44,10 +44,6 @@ REQUIRED = ("id", "source", "ref", "stack", "published_model", "method", "micro_
             "dtype", "autocast", "optimizer", "checkpointing", "autocast_adapter_dtype", "loop", "legacy_causal_lm_loss",
             "fsdp_backward_prefetch", "gpus", "sharding",
             "statistic", "unit", "outcome", "trust", "facts")
-# GPUs the planner's catalog does not list, with the total memory nvidia-smi shows for them
-EXTRA_GPUS = {"l40s": GPU("L40S", 46068 * MiB, (8, 9), "48 GB card"),
-              "a6000": GPU("RTX A6000", 49140 * MiB, (8, 6), "48 GB card"),
-              "v100-16gb": GPU("V100 16GB", 16160 * MiB, (7, 0), "16 GB card")}
 
 
 @dataclass
@@ -57,6 +53,7 @@ class Result:
     predicted: int | None  # bytes of the row's statistic; None when not planned
     label: str  # how the prediction was made, or why there is none
     fits: bool | None
+    planned: Plan | None = None  # the plan itself, where the row was planned
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -80,14 +77,11 @@ def load_rows(path: Path = DATA) -> list[dict]:
             raise UserError(f"{where}: a fit has a measured value and an OOM none")
         if row["sharding"].split("+")[0] not in SHARDINGS:
             raise UserError(f"{where}: unknown sharding {row['sharding']!r}: use one of {', '.join(SHARDINGS)}")
-        if row["autocast_adapter_dtype"] not in ("True", "False"):
-            raise UserError(f"{where}: autocast_adapter_dtype is True (peft's default since 0.11: fp32 adapters) or "
-                            "False (adapters in the base's dtype)")
-        for name in ("legacy_causal_lm_loss", "fsdp_backward_prefetch"):
-            if row[name] not in ("True", "False"):
+        for name in ("autocast_adapter_dtype", "legacy_causal_lm_loss", "fsdp_backward_prefetch"):
+            if row[name] not in ("True", "False"):  # autocast_adapter_dtype True: peft's fp32 adapters (>= 0.11)
                 raise UserError(f"{where}: {name} is True or False, not {row[name]!r}")
-        if row["loop"] not in ("trainer", "keep-outputs", "outputs-until-step"):
-            raise UserError(f"{where}: loop is trainer, keep-outputs or outputs-until-step, not {row['loop']!r}")
+        if row["loop"] not in LOOPS:
+            raise UserError(f"{where}: loop is one of {', '.join(LOOPS)}, not {row['loop']!r}")
         if row["fsdp_version"] not in ("", "1", "2") or bool(row["fsdp_version"]) != ("full-shard" in row["sharding"]):
             raise UserError(f"{where}: fsdp_version is 1 or 2 for a sharded row, empty for the others")
         if row["method"] != "full" and not row["lora_rank"].strip():
@@ -124,7 +118,7 @@ def setup_of(row: dict) -> Setup:
 
 def card_of(row: dict) -> GPU | None:
     name = row["gpu"].strip()
-    return EXTRA_GPUS.get(name) or (get_gpu(name) if name else None)
+    return get_gpu(name) if name else None
 
 
 def predicted_bytes(result_plan, statistic: str) -> tuple[int, str]:
@@ -152,7 +146,7 @@ def evaluate(row: dict) -> Result:
     except PlanError as error:
         return Result(row, published, None, f"refused: {error}", None)
     predicted, label = predicted_bytes(result_plan, row["statistic"])
-    return Result(row, published, predicted, label, result_plan.fits)
+    return Result(row, published, predicted, label, result_plan.fits, result_plan)
 
 
 def error_percent(result: Result) -> float | None:
@@ -221,14 +215,14 @@ def worst_errors(results: list[Result], bullet: str = "  ") -> list[str]:
 RESERVED_AFTER_WRAP = ("fq-qlora-b1-512", 3.72 * GiB)
 
 
-def loader_residue(rows: list[dict]) -> str | None:
+def loader_residue(results: list[Result]) -> str | None:
     """What Answer.AI's loader leaves reserved before the first step: the published reserved_after_model_wrap
     beside the plan's weights and quant_state for the same row (no optimizer state exists yet)."""
-    row = next((r for r in rows if r["id"] == RESERVED_AFTER_WRAP[0]), None)
-    if row is None:
+    result = next((r for r in results if r.row["id"] == RESERVED_AFTER_WRAP[0] and r.planned), None)
+    if result is None:
         return None
-    result_plan = plan(row["model"], setup_of(row), gpu=card_of(row), suggest=False)
-    states = result_plan.bytes["weights"] + result_plan.bytes["quantization"]  # no optimizer state before a step
+    row = result.row
+    states = result.planned.bytes["weights"] + result.planned.bytes["quantization"]  # no optimizer state yet
     published = RESERVED_AFTER_WRAP[1]
     return (f"{row['id']}: reserved after FSDP's wrap, before the first step, {published / GiB:.2f} GiB published; "
             f"the plan's weights and quant_state {states / GiB:.2f} GiB: the loader leaves {(published - states) / GiB:.2f} GiB "
@@ -269,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if not title.startswith("Left out"):
             print("\nWorst error per statistic (predicted - published, % of published):" + ("\n" if args.markdown else ""))
             print("\n".join(worst_errors(results, "- " if args.markdown else "  ")))
-            if title.startswith("Hugging Face") and (residue := loader_residue(members)):
+            if title.startswith("Hugging Face") and (residue := loader_residue(results)):
                 print(f"\n{'- ' if args.markdown else '  '}{residue}")
         else:
             print("\nWhy each is left out:" + ("\n" if args.markdown else ""))

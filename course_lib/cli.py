@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--offload-activations", action="store_true", default=None,
                       help="what autograd saves goes to host memory (torch's save_on_cpu)")
     plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
-                                    "h200, rtx3090, rtx4090")
+                                    "h200, rtx3090, rtx4090, l40s, a6000, v100-16gb")
     plan.add_argument("--gpus", type=_POSITIVE_INT, metavar="N", help="N GPUs train together (data parallel); the plan "
                                                            "is one GPU's share, --batch per GPU (lesson 6)")
     plan.add_argument("--shard", metavar="STAGE", help="what the N GPUs partition: none (DDP, default), zero1 "

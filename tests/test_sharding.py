@@ -40,7 +40,8 @@ def test_each_stage_lowers_every_ranks_peak(steps):
 
 def bounds(predicted: int, step) -> bool:
     """The plan is an upper bound of what FSDP2's schedule lets be alive (lesson 6, "the spread"): not below
-    the lower of the step's two measured repeats by more than 2%. The higher repeat is compared within 10%:
+    the lower of the step's two measured repeats by more than 2%. Each caller compares the higher one within
+    10% (`pytest.approx(step.peak, rel=0.10)`):
     on a machine loaded by the suite's other workers a repeat can run higher, as when gloo's delayed worker
     thread holds the root's flat all-gather buffer into the output layer's backward (the thread's timing,
     not FSDP2's schedule); once in CI the 32000-vocabulary Llama's higher repeat was 6.7% above the plan."""

@@ -58,6 +58,9 @@ GPUS = {
     "h200": GPU("H200", 143771 * MiB, (9, 0), "141 GB card, 143771 MiB as nvidia-smi shows it", "PCIe 5.0 x16"),
     "rtx3090": GPU("RTX 3090", 24576 * MiB, (8, 6), cuda_memory_bytes=24258 * MiB),
     "rtx4090": GPU("RTX 4090", 24564 * MiB, (8, 9), cuda_memory_bytes=24563 * MiB),
+    "l40s": GPU("L40S", 46068 * MiB, (8, 9), "48 GB card"),
+    "a6000": GPU("RTX A6000", 49140 * MiB, (8, 6), "48 GB card"),
+    "v100-16gb": GPU("V100 16GB", 16160 * MiB, (7, 0), "16 GB card", "PCIe 3.0 x16"),
 }
 _GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
                 "3090": "rtx3090", "4090": "rtx4090", "rtx-3090": "rtx3090", "rtx-4090": "rtx4090",
