@@ -99,8 +99,9 @@ MUTANTS = [
     # memory, the planner (floor 3)
     m("memory.zero1_ties_to_last_rank", "memory/sharded.py", "rank = sizes.index(min(sizes))",
       "rank = len(sizes) - 1 - sizes[::-1].index(min(sizes))", KILLS, "tests/test_sharding.py"),
-    m("memory.zero1_smallest_first", "memory/sharded.py", "for shape in sorted(shapes, key=math.prod, reverse=True):",
-      "for shape in sorted(shapes, key=math.prod):", KILLS, "tests/test_sharding.py"),
+    m("memory.zero1_smallest_first", "memory/sharded.py",
+      "for i in sorted(range(len(shapes)), key=lambda i: math.prod(shapes[i]), reverse=True):",
+      "for i in sorted(range(len(shapes)), key=lambda i: math.prod(shapes[i])):", KILLS, "tests/test_sharding.py"),
     m("memory.offload_weights_copied_once", "memory/sharded.py",
       '"pcie_per_step": 2 * fp32_weights - root_once + fp32_grads}',
       '"pcie_per_step": fp32_weights - root_once + fp32_grads}', "tests/test_sharding.py"),
