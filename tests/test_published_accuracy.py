@@ -38,6 +38,25 @@ def test_the_data_has_40_rows_from_5_sources_each_with_a_references_entry():
     assert all(row["exclusion"] or row["model"] for row in rows), "a row without a bundled model says why"
 
 
+def test_each_rows_facts_agree_with_its_columns():
+    """Where a row's facts name its micro-batch, its GPUs or (as Answer.AI's rows do, "qlora Llama-2 7B,
+    batch 2") its model's size, they are the row's own: rows copied from a neighbour had kept its words."""
+    wrong = []
+    for row in accuracy.load_rows():
+        facts = row["facts"]
+        batch = re.search(r"\b(?:micro-)?batch (\d+)\b", facts)
+        if batch and batch.group(1) != row["micro_batch"]:
+            wrong.append(f"{row['id']}: batch {batch.group(1)}, not {row['micro_batch']}")
+        gpus = re.search(r"\bon (\d+) x (\w+)", facts)
+        if gpus and (gpus.group(1) != row["gpus"] or gpus.group(2).lower() not in row["gpu"]):
+            wrong.append(f"{row['id']}: on {gpus.group(1)} x {gpus.group(2)}, not {row['gpus']} x {row['gpu']}")
+        named = re.match(rf"{row['method']} [^,]*?(\d+)B, batch", facts)
+        size = re.search(r"(\d+)[bB]\b", row["published_model"].split("/")[-1].replace("-", " "))
+        if named and size and named.group(1) != size.group(1):
+            wrong.append(f"{row['id']}: a {named.group(1)}B model, not {row['published_model']}")
+    assert not wrong, wrong
+
+
 @pytest.mark.parametrize("field, value, message", [("unit", "GB/s", "unknown unit"), ("statistic", "peak", "unknown statistic"),
                                                    ("facts", "", "empty facts"), ("value", "", "a fit has")])
 def test_a_bad_row_is_one_line_naming_it(tmp_path, field, value, message):
