@@ -185,8 +185,16 @@ def test_accumulation_breaks_with_any_batches(value):
 @FUZZ
 @given(value=VALUES)
 def test_accumulation_steps_and_loops(value):
-    outcome(lambda: accumulation.check_accumulation_steps(value))
-    outcome(lambda: accumulation.loop_class(value))
+    def steps(k):
+        assert type(k) is int and k == value >= 1, (value, k)
+
+    def loop(cls):  # the reference loop only for no mistake at all, a broken one only for its name
+        assert issubclass(cls, accumulation.AccumulationLoop), cls
+        expected = accumulation.AccumulationLoop if value in ((), []) else accumulation.BROKEN_LOOPS.get(
+            value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value)
+        assert cls is expected, (value, cls)
+    outcome(lambda: accumulation.check_accumulation_steps(value), steps)
+    outcome(lambda: accumulation.loop_class(value), loop)
 
 
 @FUZZ
@@ -267,9 +275,24 @@ def test_measure_step_inputs(model, optimizer):
 @FUZZ
 @given(value=VALUES)
 def test_the_checks_themselves(value):
-    for check in (validate.positive_int, validate.non_negative_int, validate.positive, validate.probability,
-                  validate.strict_bool, validate.strings, validate.non_empty):
-        outcome(lambda: check("x", value))
+    """Each check refuses in one line or returns what it promises, of the value given."""
+    def real(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    promises = {
+        validate.positive_int: lambda n: type(n) is int and n == value and n >= 1,  # never a bool
+        validate.non_negative_int: lambda n: type(n) is int and n == value and n >= 0,
+        validate.positive: lambda x: real(x) and x > 0,
+        validate.probability: lambda x: real(x) and 0 <= x <= 1,
+        validate.strict_bool: lambda b: b is value,
+        validate.strings: lambda items: type(items) is tuple and len(items) > 0
+        and all(isinstance(item, str) and item for item in items),
+        validate.non_empty: lambda items: type(items) is list and len(items) > 0,
+    }
+    for check, promise in promises.items():
+        def kept(result, check=check, promise=promise):
+            assert promise(result), (check.__name__, value, result)
+        outcome(lambda: check("x", value), kept)
     outcome(lambda: validate.choice("x", value, ("a", "b")), lambda result: result in ("a", "b"))
 
 

@@ -141,8 +141,8 @@ DDP_MISTAKES = ("sync_every_micro_batch", "never_sync", "count_per_rank")
 
 def loop_class(mistakes: Sequence[str] = ()) -> type[AccumulationLoop]:
     """The reference loop for `()`, the broken loop for `(name,)`; one mistake at a time."""
-    mistakes = validate.choices("mistake", mistakes, sorted(BROKEN_LOOPS)) if isinstance(mistakes, str) or mistakes \
-        else ()
+    empty = isinstance(mistakes, (list, tuple)) and not mistakes  # the reference loop; 0, {} or None name nothing
+    mistakes = () if empty else validate.choices("mistake", mistakes, sorted(BROKEN_LOOPS))
     if len(mistakes) > 1:
         raise UserError(f"one mistake at a time, got {mistakes}")
     return BROKEN_LOOPS[mistakes[0]] if mistakes else AccumulationLoop

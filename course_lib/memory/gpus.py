@@ -1,4 +1,4 @@
-"""The GPU catalog, the CUDA context a process pays for, each GPU's precision, and the fit verdict
+"""The GPU catalog, the CUDA context a process pays for and each GPU's precision
 (lesson 1, "the planner")."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from course_lib.measure import MiB, format_bytes
+from course_lib.measure import MiB
 from course_lib.memory.setup import PlanError
 
 # Memory a CUDA process uses outside PyTorch's allocator: the CUDA context and library handles
@@ -89,13 +89,3 @@ def default_precision(gpu: GPU | None, quant: str = "none", gpus: int | None = N
     if quant != "none":
         return half
     return f"amp-{half}" if gpu is not None and gpus is None else f"mixed-{half}"
-
-
-def fit_verdict(total: int, gpu: GPU | None) -> str:
-    """One sentence: fits or not, and by how much (`Plan.verdict`)."""
-    if gpu is None:
-        return f"predicted peak {format_bytes(total)} (give --gpu NAME for a fit verdict)"
-    margin = gpu.memory_bytes - total
-    if margin >= 0:
-        return f"fits on {gpu.name} ({format_bytes(gpu.memory_bytes)}): {format_bytes(margin)} to spare"
-    return f"does not fit on {gpu.name} ({format_bytes(gpu.memory_bytes)}): {format_bytes(-margin)} over"

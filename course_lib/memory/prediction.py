@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from course_lib.course import wrapped
 from course_lib.measure import GiB, format_bytes
 from course_lib.memory.activations import step_phases
-from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU, fit_verdict
+from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU
 from course_lib.memory.reserved import Reserved, reserved_prediction
 from course_lib.memory.setup import CATEGORIES, PlanError, Setup
 from course_lib.memory.sharded import sharded_values
@@ -73,13 +73,15 @@ class Plan:
 
     @property
     def fits(self) -> bool | None:
-        if self.gpu is None:
-            return None
-        return self.oom_line.fits if self.oom_line is not None else self.total <= self.gpu.memory_bytes
+        """Whether the step fits on the plan's GPU (its OOM line: nvidia-smi's estimate against CUDA's
+        capacity); None without a GPU."""
+        return None if self.oom_line is None else self.oom_line.fits
 
     def verdict(self) -> str:
         """One sentence: fits or not, and by how much."""
-        return self.oom_line.verdict(self.gpu) if self.oom_line is not None else fit_verdict(self.total, self.gpu)
+        if self.oom_line is None:
+            return f"predicted peak {format_bytes(self.total)} (give --gpu NAME for a fit verdict)"
+        return self.oom_line.verdict(self.gpu)
 
     def to_dict(self) -> dict:
         """Plain JSON-able numbers: bytes by category (integers), the setup, the verdict, the tricks."""
