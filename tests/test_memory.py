@@ -99,6 +99,33 @@ def test_bitsandbytes_8bit_state_is_exact_with_small_tensor_fallback(shape_list)
         assert optimizer_state_bytes(name, numels, 4) == _real_state_bytes(cls, shape_list)
 
 
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adamw", "adafactor", "lion", "paged_adamw32bit", "adamw8bit"])
+def test_each_state_tensor_of_each_parameter_is_the_real_optimizers(name):
+    """`state_tensor_bytes` (what the reserved prediction replays through the caching allocator) lists the
+    real optimizer's state tensors of each parameter, one by one (Lion one, AdamW two, 8-bit AdamW two
+    uint8 states and two absmax; the step counters, 8-bit AdamW's shared quantization maps and Adafactor's
+    RMS scalar are the per-optimizer extras `optimizer_state_bytes` adds)."""
+    from transformers.optimization import Adafactor
+
+    from course_lib.memory.states import state_tensor_bytes
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adamw": torch.optim.AdamW, "adafactor": lambda p: Adafactor(p, lr=1e-3, relative_step=False),
+            "lion": bnb.optim.Lion, "paged_adamw32bit": bnb.optim.PagedAdamW32bit,
+            "adamw8bit": bnb.optim.AdamW8bit}[name]
+    shape_list = [(64, 100), (5000,), (3, 4, 5), (10,)]  # 8-bit AdamW: 32-bit state below 4096 elements
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shape_list]
+    optimizer = make(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer.step()
+    for p, shape in zip(params, shape_list):
+        real = sorted(v.untyped_storage().nbytes() for k, v in optimizer.state[p].items()
+                      if isinstance(v, torch.Tensor) and k not in ("step", "qmap1", "qmap2", "RMS"))
+        assert real == sorted(state_tensor_bytes(name, shape, 4)), (shape, real)
+
+
 def test_8bit_adam_is_2_03_bytes_per_parameter_on_a_large_tensor():
     n = 2**20
     assert optimizer_state_bytes("adamw8bit", [n], 4) == 2 * n + 8 * n // 256 + 2048

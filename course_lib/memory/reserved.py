@@ -23,6 +23,7 @@ and paged optimizer state (managed memory, resident when there is room). Every f
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from course_lib.caching_allocator import replay
 from course_lib.measure import format_bytes
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU
+from course_lib.memory.states import state_tensor_bytes
 
 # aten/src/ATen/cuda/CublasHandlePool.cpp (docs/references.md, the anchor above): CUBLAS_WORKSPACE_CONFIG's
 # default ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB), 32 MiB on compute capability 9.0; CUBLASLT_WORKSPACE_SIZE's
@@ -38,7 +40,6 @@ CUBLAS_WORKSPACE = 2 * 4096 * 1024 + 8 * 16 * 1024
 CUBLAS_WORKSPACE_SM90 = 8 * 4096 * 1024
 CUBLASLT_WORKSPACE = 1024 * 1024
 CUBLAS_HANDLES = 2  # the main thread's and the autograd engine's CUDA device thread's (handles are per thread)
-STATE_TENSORS = {"sgd": 0, "momentum": 1}  # optimizer state tensors per trained tensor; 2 for the others
 
 
 class AllocationStream:
@@ -98,10 +99,10 @@ def cublas_workspaces(gpu: GPU) -> list[int]:
     return [cublas, min(CUBLASLT_WORKSPACE, cublas)] * CUBLAS_HANDLES
 
 
-def _split(total: int, numels: list[int], copies: int = 1) -> list[int]:
-    """`total` bytes as `copies` tensors per entry of `numels`, each in proportion to its elements."""
-    count = sum(numels) * copies
-    return [total * n // count for n in numels for _ in range(copies)] if total > 0 and count else []
+def _split(total: int, shares: list[int]) -> list[int]:
+    """`total` bytes as one tensor per entry of `shares`, each in proportion to it."""
+    count = sum(shares)
+    return [total * n // count for n in shares] if total > 0 and count else []
 
 
 @functools.lru_cache(maxsize=512)
@@ -164,11 +165,15 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
     paged = setup.optimizer.startswith("paged")
     managed = values["optimizer_state"] if paged else 0  # cudaMallocManaged: outside the caching allocator
     numels = [p.numel for p in spec.params] if spec is not None else [states.trainable + states.frozen]
-    trained = [max(1, int(torch.Size(shape).numel())) for shape in states.trainable_shapes] or numels
+    shapes = [tuple(shape) for shape in states.trainable_shapes] or [(n,) for n in numels]
+    trained = [max(1, math.prod(shape)) for shape in shapes]
+    # the optimizer's state tensors of each trained tensor (32-bit for the Trainer's embeddings under 8-bit)
+    full_state = states.full_state or (False,) * len(shapes)
+    state = [size for shape, full in zip(shapes, full_state)
+             for size in state_tensor_bytes(setup.optimizer, shape, states.state_itemsize, full)]
     workspaces = cublas_workspaces(gpu)
     sizes = (_split(values["weights"], numels) + workspaces + _split(values["quantization"], numels)
-             + _split(values["master_weights"], trained)
-             + ([] if paged else _split(values["optimizer_state"], trained, STATE_TENSORS.get(setup.optimizer, 2))))
+             + _split(values["master_weights"], trained) + ([] if paged else _split(values["optimizer_state"], state)))
     slack = _states_slack(tuple(sizes)) + sum(workspaces)
     if trace is not None:
         peak = max(trace.forward_peak, trace.head_backward_peak, trace.layer_backward_peak, trace.tail_backward_peak)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from course_lib import validate
-from course_lib.memory.setup import PlanError, Setup, itemsize
+from course_lib.memory.setup import OPTIMIZERS, PlanError, Setup, itemsize
 from course_lib.models import ModelSpec, ParamInfo
 from course_lib.paging.policies import BNB_MIN_8BIT_SIZE
 
@@ -69,6 +69,37 @@ def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
 # The planner plans the Trainer's optimizer (lesson 7, "lean optimizers").
 
 
+def state_tensor_bytes(optimizer: str, shape: Sequence[int], state_itemsize: int, full_state: bool = False) -> list[int]:
+    """The bytes of each state tensor an optimizer keeps for one trained tensor of `shape` (lesson 1),
+    without the step counters and bitsandbytes' quantization maps (`optimizer_state_bytes` adds them).
+
+    torch's SGD keeps none, momentum one buffer, AdamW two (in `state_itemsize`); bitsandbytes keeps
+    32-bit state in fp32 (AdamW's two, Lion's one momentum) and 8-bit AdamW's two uint8 states with an
+    fp32 absmax per block each, 32-bit below `BNB_MIN_8BIT_SIZE` elements or for a `full_state` tensor
+    (an embedding the Trainer keeps in 32 bits: `ModelStates.full_state`). transformers' Adafactor (the
+    Trainer's optim="adafactor"; lesson 7 measures it) keeps a row and a column statistic of a matrix
+    and the full second moment of a vector. torch.optim.Adafactor is another layout in memory: its
+    row_var/col_var/variance are made with p.grad.new_zeros, in the gradient's dtype."""
+    n = math.prod(shape)
+    if optimizer == "sgd":
+        return []
+    if optimizer == "momentum":
+        return [n * state_itemsize]
+    if optimizer in ("adamw", "adamw_fused"):
+        return [n * state_itemsize] * 2
+    if optimizer == "paged_adamw32bit":
+        return [4 * n] * 2
+    if optimizer == "lion":  # bitsandbytes Lion, 32-bit
+        return [4 * n]
+    if optimizer in ("adamw8bit", "paged_adamw8bit"):
+        return [4 * n] * 2 if n < BNB_MIN_8BIT_SIZE or full_state else [n, n] + [4 * math.ceil(n / BNB_BLOCK)] * 2
+    if optimizer == "adafactor":
+        if len(shape) >= 2:
+            return [math.prod(shape[:-1]) * state_itemsize, math.prod(shape[:-2]) * shape[-1] * state_itemsize]
+        return [n * state_itemsize]
+    raise PlanError(f"unknown optimizer {optimizer!r}")
+
+
 def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize: int,
                           shapes: Sequence[tuple[int, ...]] | None = None, step_counters: bool = True,
                           per_tensor: bool = False) -> int:
@@ -80,42 +111,20 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
     unless capturable/fused: not GPU memory on a CUDA target). `per_tensor`: one optimizer per tensor
     (lesson 7's step in backward): each bitsandbytes optimizer then has its own quantization maps.
     """
-    steps = 4 * len(numels) if step_counters else 0
-    if optimizer == "sgd":
-        return 0
-    if optimizer == "momentum":
-        return sum(numels) * state_itemsize
-    if optimizer in ("adamw", "adamw_fused"):
-        return 2 * sum(numels) * state_itemsize + steps
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"unknown optimizer {optimizer!r}")
+    if optimizer == "adafactor" and shapes is None:
+        raise PlanError("adafactor's state depends on tensor shapes: give a model, not only --params")
+    tensors = shapes if optimizer == "adafactor" else [(n,) for n in numels]
+    total = sum(sum(state_tensor_bytes(optimizer, shape, state_itemsize)) for shape in tensors)
+    if optimizer in ("adamw", "adamw_fused") and step_counters:
+        total += 4 * len(numels)
+    if optimizer == "adafactor":  # an fp32 RMS scalar per tensor on the parameter's device
+        total += 4 * len(numels)
     if optimizer in ("adamw8bit", "paged_adamw8bit"):
-        total, eight_bit = 0, 0
-        for n in numels:
-            if n < BNB_MIN_8BIT_SIZE:
-                total += 8 * n
-            else:
-                eight_bit += 1
-                total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
-        return total + BNB_QMAPS_BYTES * (eight_bit if per_tensor else min(eight_bit, 1))
-    if optimizer == "paged_adamw32bit":
-        return 8 * sum(numels)
-    if optimizer == "lion":  # bitsandbytes Lion, 32-bit: one fp32 momentum
-        return 4 * sum(numels)
-    if optimizer == "adafactor":
-        # transformers' Adafactor (the Trainer's optim="adafactor"; lesson 7 measures it): a row and a
-        # column statistic per matrix, the full second moment of vectors, fp32 whatever the parameter's
-        # dtype (pass state_itemsize 4), and an fp32 RMS scalar per tensor on the parameter's device.
-        # torch.optim.Adafactor is another layout in memory: its row_var/col_var/variance are made with
-        # p.grad.new_zeros, in the gradient's dtype (half these bytes for a bf16 gradient; lesson 7 measures it).
-        if shapes is None:
-            raise PlanError("adafactor's state depends on tensor shapes: give a model, not only --params")
-        total = 0
-        for shape in shapes:
-            if len(shape) >= 2:
-                total += (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * state_itemsize
-            else:
-                total += math.prod(shape) * state_itemsize
-        return total + 4 * len(numels)
-    raise PlanError(f"unknown optimizer {optimizer!r}")
+        eight_bit = sum(1 for n in numels if n >= BNB_MIN_8BIT_SIZE)
+        total += BNB_QMAPS_BYTES * (eight_bit if per_tensor else min(eight_bit, 1))
+    return total
 
 
 def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], state_itemsize: int,
