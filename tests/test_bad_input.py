@@ -174,21 +174,6 @@ def test_accumulation_breaks_refuses_no_batches():
                             lambda m, b: m(b).sum())
 
 
-def test_params_1e30_is_refused_not_printed_as_float_noise(capsys):
-    code, out, err = cli(capsys, "plan", "--params", "1e30")
-    assert code == 2 and out == "" and "--params" in err and len(err.strip().splitlines()) == 1
-
-
-def test_negative_params_is_read_as_a_value_not_an_option(capsys):
-    code, out, err = cli(capsys, "plan", "--params", "-7e9")
-    assert code == 2 and "positive whole number" in err and "expected one argument" not in err
-
-
-def test_gpt2_beyond_its_learned_positions_is_an_error(capsys):
-    code, out, err = cli(capsys, "plan", "gpt2", "--seq", "4096")
-    assert code == 2 and out == "" and "1024" in err and len(err.strip().splitlines()) == 1
-
-
 # ------------------------------------------------------------------ a string taken as its characters
 
 def test_lora_targets_as_one_string_is_one_module():
@@ -254,12 +239,6 @@ def test_more_gpus_than_parameters_is_an_error():
                                     "openai-community/gpt2/tree/main", "https://huggingface.co/openai-community/gpt2/"])
 def test_hub_ids_as_people_paste_them(pasted):
     assert plan(pasted).n_params == plan("gpt2").n_params
-
-
-def test_cli_option_values_are_checked_by_the_validation_layer(capsys):
-    for args in (["--batch", "0"], ["--seq", "nan"], ["--lora-dropout", "inf"], ["--gpus", "1.5"]):
-        code, out, err = cli(capsys, "plan", "gpt2", *args)
-        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and args[0] in err, (args, err)
 
 
 def test_grade_checks_an_unwritable_csv_before_grading(tmp_path, capsys):

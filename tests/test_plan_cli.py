@@ -75,6 +75,17 @@ BAD = [
     ([], "give a model"),
     (["--params", "7e9", "--lora-rank", "8"], "layer shapes"),
     (["gpt2", "--optimizer", "adam"], "invalid choice"),
+    (["--params", "-7e9"], "positive whole number"),  # a value, not an option
+    (["--params", "1e30"], "--params"),  # not printed as float noise
+    (["gpt2", "--seq", "nan"], "--seq"),
+    (["gpt2", "--lora-dropout", "inf"], "--lora-dropout"),
+    (["gpt2", "--gpus", "1.5"], "--gpus"),
+    (["gpt2", "--lora-rank", "100000000"], "lora rank 100000000 is above the rank of every layer"),
+    (["gpt2", "--seq", "4096"], "beyond gpt2's 1024 learned positions (transformer.wpe.weight"),
+    (["--params", "7e9", "--checkpointing", "every-layer"], "--checkpointing cannot change a plan from --params"),
+    (["--params", "7e9", "--batch", "4", "--seq", "2048"], "--batch, --seq cannot change"),
+    (["--params", "7e9", "--lora-rank", "8", "--lora-dropout", "0.1"], "--lora-dropout cannot change"),
+    (["gpt2", "--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout: must be a probability"),
 ]
 
 

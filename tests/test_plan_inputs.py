@@ -37,18 +37,6 @@ def test_a_sequence_beyond_the_positions_is_a_clear_warning(capsys, argv, messag
     assert message in out and "WARNING" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["gpt2", "--lora-rank", "100000000"], "lora rank 100000000 is above the rank of every layer"),
-    (["gpt2", "--seq", "4096"], "beyond gpt2's 1024 learned positions (transformer.wpe.weight"),
-    (["--params", "7e9", "--checkpointing", "every-layer"], "--checkpointing cannot change a plan from --params"),
-    (["--params", "7e9", "--batch", "4", "--seq", "2048"], "--batch, --seq cannot change"),
-    (["--params", "7e9", "--lora-rank", "8", "--lora-dropout", "0.1"], "--lora-dropout cannot change"),
-    (["gpt2", "--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout: must be a probability"),
-])
-def test_impossible_setups_are_one_line(capsys, argv, message):
-    assert message in refused(capsys, *argv)
-
-
 def test_the_last_position_is_planned_without_a_warning(capsys):
     code, out, err = run(capsys, "gpt2", "--seq", "1024", "--json")
     assert code == 0, err
