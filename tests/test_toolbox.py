@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from course_lib import memory
 from course_lib.measure import LiveStorageTracker, optimizer_state_tensors, peak_bytes, storage_bytes
+from course_lib.qlora import tiny_llama_config
 from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, accumulation_breaks,
                                 bytes_per_parameter, chunked_causal_lm_loss, chunked_cross_entropy, clipping_breaks,
                                 state_tensors, stepped_optimizer, transfer_seconds)
@@ -32,12 +33,11 @@ def adamw(params):
 
 
 def tiny_llama(vocab: int = 4096, layers: int = 2):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2)
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(tiny_llama_config(hidden=64, layers=layers, heads=4, kv_heads=2,
+                                                              intermediate=128, vocab=vocab))
 
 
 def _grads(model):
