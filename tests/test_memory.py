@@ -419,8 +419,8 @@ def test_an_embedding_the_trainer_keeps_in_32_bits_takes_bitsandbytes_32_bit_cpu
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(batch=0), "batch must be a positive integer"),
-    (dict(seq=-3), "seq must be a positive integer"),
+    (dict(batch=0), "batch must be a whole number >= 1, got 0"),
+    (dict(seq=-3), "seq must be a whole number >= 1, got -3"),
     (dict(precision="fp8"), "unknown precision"),
     (dict(optimizer="adam"), "unknown optimizer"),
     (dict(quant="nf4"), "--lora-rank"),

@@ -19,8 +19,8 @@ from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackwar
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(chunked_loss=0), "chunked_loss must be a positive number"),
-    (dict(chunked_loss=2.5), "chunked_loss must be a positive number"),
+    (dict(chunked_loss=0), r"chunked_loss \(tokens per chunk.*must be a whole number >= 1, got 0"),
+    (dict(chunked_loss=2.5), r"chunked_loss \(tokens per chunk.*got 2.5 \(it has a fraction\)"),
     (dict(optimizer_in_backward="yes"), "optimizer_in_backward must be True or False"),
     (dict(offload_activations=1), "offload_activations must be True or False"),
     (dict(optimizer_in_backward=True, accum=8), "nothing to accumulate into"),

@@ -111,6 +111,11 @@ class Setup:
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
+        # a whole float is its int, as course_lib.validate's checks take it (validate() refuses the rest)
+        for name in ("batch", "seq", "accum", "lora_rank", "gpus", "chunked_loss"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, int(value))
         # one module name is one target (never its characters); a list becomes a tuple (hashable)
         if self.lora_targets != "all-linear" and isinstance(self.lora_targets, (str, list)):
             object.__setattr__(self, "lora_targets", validate.strings("lora_targets", self.lora_targets, error=PlanError))
@@ -128,13 +133,10 @@ class Setup:
                                      (self.optimizer, OPTIMIZERS, "optimizer"),
                                      (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention"),
                                      (self.loop, LOOPS, "loop")):
-            if value not in options:
-                raise PlanError(f"unknown {what} {value!r}: use one of {', '.join(options)}")
+            validate.choice(what, value, options, error=PlanError)
         for value, what in ((self.batch, "batch"), (self.seq, "seq"), (self.accum, "accum")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{what} must be a positive integer, got {value!r}")
-        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-            raise PlanError(f"lora rank must be a positive integer (0: no LoRA), got {self.lora_rank!r}")
+            validate.positive_int(what, value, error=PlanError)
+        validate.non_negative_int("lora_rank (0: no LoRA)", self.lora_rank, error=PlanError)
         if self.adam_state not in (None, "fp32"):
             raise PlanError(f"adam_state must be None (the parameter's dtype) or 'fp32', got {self.adam_state!r}")
         if self.quant != "none" and self.lora_rank == 0:
@@ -142,11 +144,8 @@ class Setup:
                             "(QLoRA); a 4-bit base cannot be fine-tuned directly")
         if self.lora_rank == 0 and self.lora_targets != "all-linear":
             raise PlanError(f"lora_targets {self.lora_targets!r} without a LoRA rank: give lora_rank R > 0")
-        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
-                or not 0 <= self.lora_dropout < 1:
-            raise PlanError(f"lora dropout must be a probability from 0 up to (not including) 1, got {self.lora_dropout!r}")
-        if not isinstance(self.autocast_adapter_dtype, bool):
-            raise PlanError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
+        validate.probability("lora_dropout", self.lora_dropout, below_one=True, error=PlanError)
+        validate.strict_bool("autocast_adapter_dtype", self.autocast_adapter_dtype, error=PlanError)
         if self.lora_rank == 0 and self.lora_dropout:
             raise PlanError(f"lora dropout {self.lora_dropout} without a LoRA rank: give lora_rank R > 0")
         if self.adam_state is not None and self.optimizer not in ("adamw", "adamw_fused", "momentum", "adafactor"):
@@ -195,22 +194,19 @@ class Setup:
 
 def _validate_sharding(setup: Setup) -> None:
     """PlanError for gpus < 1, an unknown stage, or a stage without gpus (lesson 6)."""
-    if setup.gpus is not None and (isinstance(setup.gpus, bool) or not isinstance(setup.gpus, int) or setup.gpus < 1):
-        raise PlanError(f"gpus must be a positive integer (how many GPUs train together), got {setup.gpus!r}")
-    if setup.shard not in SHARDS:
-        raise PlanError(f"unknown shard stage {setup.shard!r}: use one of {', '.join(SHARDS)}")
+    if setup.gpus is not None:
+        validate.positive_int("gpus (how many GPUs train together)", setup.gpus, error=PlanError)
+    validate.choice("shard stage", setup.shard, SHARDS, error=PlanError)
     if setup.shard != "none" and setup.gpus is None:
         raise PlanError(f"--shard {setup.shard} needs --gpus N: how many GPUs share the model states")
     if setup.gpus is not None and setup.autocast_dtype is not None:
         raise PlanError(f"--precision {setup.precision} with --gpus {setup.gpus}: data parallelism and sharding "
                         "are planned for the master-copy recipe (mixed-bf16, mixed-fp16) and pure precisions; "
                         "plan autocast on one GPU (no --gpus)")
-    if setup.fsdp_wrapping not in FSDP_WRAPPINGS:
-        raise PlanError(f"unknown FSDP wrapping {setup.fsdp_wrapping!r}: use one of {', '.join(FSDP_WRAPPINGS)}")
+    validate.choice("FSDP wrapping", setup.fsdp_wrapping, FSDP_WRAPPINGS, error=PlanError)
     if setup.fsdp_reduce_dtype not in (None, "fp32"):
         raise PlanError(f"fsdp_reduce_dtype must be None (the compute dtype) or 'fp32', got {setup.fsdp_reduce_dtype!r}")
-    if not isinstance(setup.fsdp_reshard_root, bool):
-        raise PlanError(f"fsdp_reshard_root must be True or False, got {setup.fsdp_reshard_root!r}")
+    validate.strict_bool("fsdp_reshard_root", setup.fsdp_reshard_root, error=PlanError)
     if setup.fsdp_version not in FSDP_VERSIONS or isinstance(setup.fsdp_version, bool):
         raise PlanError(f"fsdp_version must be 1 (accelerate's FSDP1) or 2 (FSDP2), got {setup.fsdp_version!r}")
     if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root, setup.fsdp_version) \
@@ -236,15 +232,13 @@ def _validate_sharding(setup: Setup) -> None:
 def _validate_toolbox(setup: Setup) -> None:
     """PlanError, one line, for a bad value or a combination that cannot work (lesson 7)."""
     for name in ("optimizer_in_backward", "offload_activations"):
-        if not isinstance(getattr(setup, name), bool):
-            raise PlanError(f"{name} must be True or False, got {getattr(setup, name)!r}")
+        validate.strict_bool(name, getattr(setup, name), error=PlanError)
     chunk = setup.chunked_loss
     if chunk is not None and setup.legacy_causal_lm_loss:
         raise PlanError("chunked_loss with legacy_causal_lm_loss: the chunked loss replaces the model's own loss, "
                         "whose transformers version the legacy option describes; choose one")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise PlanError(f"chunked_loss must be a positive number of tokens per chunk (or None: the plain "
-                        f"loss), got {chunk!r}")
+    if chunk is not None:
+        validate.positive_int("chunked_loss (tokens per chunk; None: the plain loss)", chunk, error=PlanError)
     if setup.optimizer_in_backward and setup.accum > 1:
         raise PlanError(f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
                         "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1")
