@@ -63,7 +63,8 @@ def hub_id_as_pasted(text: str) -> str:
 
 
 def _normalise(name: str) -> str:
-    name = hub_id_as_pasted(name).lower()
+    """A cleaned name (`hub_id_as_pasted`) as the bundled name it may stand for."""
+    name = name.lower()
     for hub_name, hub_id in HUB_IDS.items():  # accept the Hub id too: "meta-llama/Llama-2-7b-hf"
         if name == hub_id.lower():
             return hub_name
@@ -98,9 +99,8 @@ def load_config(name_or_path: str | Path):
 
 
 def _config_file(text: str) -> Path | None:
-    """The config.json a bundled name or a path names, None for a Hub id (transformers fetches it);
-    ModelNotFound for an unknown name or a path with no config file."""
-    text = hub_id_as_pasted(text)
+    """The config.json a bundled name or a path names (`text` cleaned by `hub_id_as_pasted`), None for a
+    Hub id (transformers fetches it); ModelNotFound for an unknown name or a path with no config file."""
     key = _normalise(text)
     path = Path(text).expanduser()
     if key in bundled_models():
@@ -299,7 +299,7 @@ def config_class_name(config) -> str:
 
 def config_key(name_or_path: str | Path) -> str:
     """What names a config: a bundled name (a Hub id of a bundled model too), a local path resolved,
-    or the text itself (a Hub id)."""
+    or the text itself (a Hub id), cleaned once here for `config_stamp` and `read_config`."""
     text = hub_id_as_pasted(str(name_or_path))
     key = _normalise(text)
     if key in bundled_models():
