@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from course_lib import validate
 from course_lib.errors import UserError
 
 
@@ -65,8 +66,7 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
     second instead of importing them again; the caller's own state (threads, tensors) is never forked.
     """
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UserError(f"world_size must be a positive integer, got {world_size!r}")
+    world_size = validate.positive_int("world_size", world_size)
     _check_sendable(worker, args)
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "forkserver":
