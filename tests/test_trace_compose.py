@@ -106,3 +106,20 @@ def test_a_parameter_list_kept_on_disk_is_the_parameter_list(monkeypatch, tmp_pa
     again = models.model_spec("qwen2.5-0.5b")
     models._cached_spec.cache_clear()
     assert again.params == first.params and again.n_params == models.PUBLISHED_PARAMETERS["qwen2.5-0.5b"]
+
+
+def test_precisions_of_the_same_dtypes_share_one_trace(monkeypatch):
+    """bf16, mixed-bf16 and mixed-bf16-fp32grads run the same 16-bit step: traced once; amp-bf16 (fp32 weights
+    under autocast) is another step, and so is the step in backward, whose temporaries follow the recipe."""
+    traced = []
+    real = memory_trace._trace
+    monkeypatch.setattr(memory_trace, "_trace", lambda spec, setup, target: traced.append(setup.precision)
+                        or real(spec, setup, target))
+    monkeypatch.setattr(memory_trace, "_TRACES", {})
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
+    for precision in ("bf16", "mixed-bf16", "mixed-bf16-fp32grads", "amp-bf16"):
+        memory.plan("gpt2", precision=precision, seq=32)
+    assert traced == ["bf16"] * 2 + ["amp-bf16"] * 2  # gpt2's 12 layers composed from 3 and 4
+    memory.plan("gpt2", precision="bf16", seq=32, optimizer_in_backward=True)
+    memory.plan("gpt2", precision="mixed-bf16", seq=32, optimizer_in_backward=True)
+    assert traced[4:] == ["bf16"] * 2 + ["mixed-bf16"] * 2

@@ -142,7 +142,11 @@ class Trace:
 
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
-    return (spec.config.to_json_string(use_diff=False), setup.precision, setup.lora_rank, str(setup.lora_targets),
+    """What the trace depends on: the dtypes of the precision, not its name (bf16, mixed-bf16 and
+    mixed-bf16-fp32grads trace the same step), save under lesson 7's step in backward, whose temporaries
+    follow the master-copy recipe."""
+    dtypes = setup.precision if setup.optimizer_in_backward else (str(setup.weight_dtype), str(setup.autocast_dtype))
+    return (spec.config.to_json_string(use_diff=False), dtypes, setup.lora_rank, str(setup.lora_targets),
             float(setup.lora_dropout), setup.autocast_adapter_dtype, setup.quant != "none",
             setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop != "trainer",
             setup.legacy_causal_lm_loss,
