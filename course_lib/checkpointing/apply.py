@@ -13,6 +13,7 @@ argument made inside the segment, a KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 
@@ -107,11 +108,15 @@ class AppliedPlan:
     without the plan (a test checks loss and every gradient on each bundled architecture), or raises.
     """
 
-    def __init__(self, model: nn.Module, stack, plan, policy) -> None:
+    def __init__(self, model: nn.Module, stack, plan, policy, recompute_context=None) -> None:
         self.layers = list(stack)
         self.plan = validate_plan(plan, len(self.layers))
         self.policy = policy
         self.context_fn = context_fn_for(policy)
+        if recompute_context is not None:
+            if self.context_fn is not None:
+                raise UserError("recompute_context applies to full checkpointing: give policy='full'")
+            self.context_fn = lambda: (contextlib.nullcontext(), recompute_context())
         self.replaying = 0
         self.open: _OpenSegment | None = None
         for layer in self.layers:
@@ -233,19 +238,22 @@ class AppliedPlan:
         return f"AppliedPlan(plan={self.plan}, policy={self.policy!r})"
 
 
-def apply_plan(model: nn.Module, plan, *, policy="full", stack: nn.Module | None = None) -> AppliedPlan:
+def apply_plan(model: nn.Module, plan, *, policy="full", stack: nn.Module | None = None,
+               recompute_context=None) -> AppliedPlan:
     """Checkpoint `model`'s layer stack by a plan, non-reentrant (lesson 3, "applying a plan").
 
     `plan`: a list of (start, end) segments or a plan name ("sqrt", "every-2", "hf-every-2", ...).
     `model`: an nn.Sequential, an nn.ModuleList, or a model holding one (a Hugging Face decoder: its
     `model.layers`); `stack` names the stack explicitly. `policy`: "full" (keep only segment inputs),
     a policy name of `course_lib.checkpointing.POLICIES`, or any policy function for
-    `torch.utils.checkpoint.create_selective_checkpoint_contexts`.
+    `torch.utils.checkpoint.create_selective_checkpoint_contexts`. `recompute_context`: a function
+    returning a context manager the backward's replay runs under (the planner's meta-device autocast,
+    which torch's checkpoint cannot restore as it restores torch.autocast), with full checkpointing.
 
     Returns an `AppliedPlan`; use it as a context manager or call `.remove()` to undo.
     """
     layers = stack if stack is not None else find_layer_stack(model)
-    return AppliedPlan(model, layers, plan, policy)
+    return AppliedPlan(model, layers, plan, policy, recompute_context)
 
 
 def hf_has_every_n_layers(model: nn.Module) -> bool:

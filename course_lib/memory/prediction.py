@@ -16,7 +16,7 @@ from course_lib.memory.setup import CATEGORIES, PlanError, Setup
 from course_lib.memory.sharded import sharded_values
 from course_lib.memory.states import model_states, target_match
 from course_lib.memory.toolbox import toolbox_notes
-from course_lib.memory.trace import trace_step
+from course_lib.memory.trace import checkpointed_slack, trace_step
 from course_lib.models import config_class_name, model_spec, ModelSpec, supported_attention
 
 
@@ -276,7 +276,9 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
         notes.append(f"the peak is the {peak_phase}'s: the categories are what is live then (gradients: those made "
                      f"so far; activations: saved for backward, the transients and the batch); "
                      f"{_phase_line(phases)}")
-    oom_line = reserved_prediction(spec, setup, states, values, trace, card, detail) if cuda else None
+    checkpointed = checkpointed_slack(spec, setup) if cuda and trace is not None and setup.checkpointing != "none" \
+        else None
+    oom_line = reserved_prediction(spec, setup, states, values, trace, card, detail, checkpointed) if cuda else None
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes,
                 oom_line=oom_line)
 
