@@ -22,7 +22,8 @@ shapes = st.lists(st.one_of(st.tuples(st.integers(1, 300)), st.tuples(st.integer
                   min_size=1, max_size=4)
 
 
-def _real_state_bytes(make_optimizer, shape_list, dtype=torch.float32):
+def _stepped(make_optimizer, shape_list, dtype=torch.float32):
+    """Parameters of these shapes and their optimizer after one step (its state made)."""
     params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shape_list]
     optimizer = make_optimizer(params)
     for p in params:
@@ -30,6 +31,11 @@ def _real_state_bytes(make_optimizer, shape_list, dtype=torch.float32):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         optimizer.step()
+    return params, optimizer
+
+
+def _real_state_bytes(make_optimizer, shape_list, dtype=torch.float32):
+    _, optimizer = _stepped(make_optimizer, shape_list, dtype)
     return storage_bytes(v for state in optimizer.state.values() for v in state.values()
                          if isinstance(v, torch.Tensor))
 
@@ -113,13 +119,7 @@ def test_each_state_tensor_of_each_parameter_is_the_real_optimizers(name):
             "lion": bnb.optim.Lion, "paged_adamw32bit": bnb.optim.PagedAdamW32bit,
             "adamw8bit": bnb.optim.AdamW8bit}[name]
     shape_list = [(64, 100), (5000,), (3, 4, 5), (10,)]  # 8-bit AdamW: 32-bit state below 4096 elements
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shape_list]
-    optimizer = make(params)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        optimizer.step()
+    params, optimizer = _stepped(make, shape_list)
     for p, shape in zip(params, shape_list):
         real = sorted(v.untyped_storage().nbytes() for k, v in optimizer.state[p].items()
                       if isinstance(v, torch.Tensor) and k not in ("step", "qmap1", "qmap2", "RMS"))

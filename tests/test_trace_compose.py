@@ -70,18 +70,28 @@ def test_layers_that_do_not_repeat_are_traced_in_full():
     assert composed_trace(spec, memory.Setup(seq=16), "cpu", memory_trace._trace) is None
 
 
-def test_the_planner_uses_the_fast_path_for_a_deep_model(monkeypatch):
-    depths = []
+@pytest.fixture
+def traced(monkeypatch) -> list:
+    """Each `_trace` call's (spec, setup), the traces kept neither in memory nor on disk."""
+    calls = []
     real = memory_trace._trace
-    monkeypatch.setattr(memory_trace, "_trace", lambda spec, setup, target: depths.append(spec.n_layers)
-                        or real(spec, setup, target))
+
+    def spy(spec, setup, target):
+        calls.append((spec, setup))
+        return real(spec, setup, target)
+    monkeypatch.setattr(memory_trace, "_trace", spy)
     monkeypatch.setattr(memory_trace, "_TRACES", {})
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
+    return calls
+
+
+def test_the_planner_uses_the_fast_path_for_a_deep_model(traced):
     memory.plan("llama-2-70b", seq=32)
-    assert depths == [3, 4]  # never the 80 layers
-    depths.clear()
+    assert [spec.n_layers for spec, _ in traced] == [3, 4]  # never the 80 layers
+    traced.clear()
     memory.plan("gemma-2-2b", seq=32, attention="eager")
-    assert depths == [3, 4]  # its sliding and global layers keep the same bytes: not the 6 and 8 of period 2
+    # its sliding and global layers keep the same bytes: not the 6 and 8 of period 2
+    assert [spec.n_layers for spec, _ in traced] == [3, 4]
 
 
 def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
@@ -108,18 +118,12 @@ def test_a_parameter_list_kept_on_disk_is_the_parameter_list(monkeypatch, tmp_pa
     assert again.params == first.params and again.n_params == models.PUBLISHED_PARAMETERS["qwen2.5-0.5b"]
 
 
-def test_precisions_of_the_same_dtypes_share_one_trace(monkeypatch):
+def test_precisions_of_the_same_dtypes_share_one_trace(traced):
     """bf16, mixed-bf16 and mixed-bf16-fp32grads run the same 16-bit step: traced once; amp-bf16 (fp32 weights
     under autocast) is another step, and so is the step in backward, whose temporaries follow the recipe."""
-    traced = []
-    real = memory_trace._trace
-    monkeypatch.setattr(memory_trace, "_trace", lambda spec, setup, target: traced.append(setup.precision)
-                        or real(spec, setup, target))
-    monkeypatch.setattr(memory_trace, "_TRACES", {})
-    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
     for precision in ("bf16", "mixed-bf16", "mixed-bf16-fp32grads", "amp-bf16"):
         memory.plan("gpt2", precision=precision, seq=32)
-    assert traced == ["bf16"] * 2 + ["amp-bf16"] * 2  # gpt2's 12 layers composed from 3 and 4
     memory.plan("gpt2", precision="bf16", seq=32, optimizer_in_backward=True)
     memory.plan("gpt2", precision="mixed-bf16", seq=32, optimizer_in_backward=True)
-    assert traced[4:] == ["bf16"] * 2 + ["mixed-bf16"] * 2
+    # gpt2's 12 layers composed from 3 and 4
+    assert [setup.precision for _, setup in traced] == ["bf16"] * 2 + ["amp-bf16"] * 2 + ["bf16"] * 2 + ["mixed-bf16"] * 2
