@@ -109,7 +109,7 @@ def main() -> int:
         for recipe, (options, flags) in RECIPES.items():
             options = {**options, **SIZE, **extra_options}
             memory.trace._TRACES.clear()
-            memory.trace._SLACKS.clear()
+            memory.checkpointed._SLACKS.clear()
             start = time.perf_counter()
             try:
                 memory.plan(model, **options)

@@ -11,6 +11,7 @@ import torch
 from course_lib.checkpointing import (ARCHITECTURES, apply_plan, assert_gradients_flow, checkpointed_forward,
                                       find_layer_stack, hf_checkpointing, hf_has_every_n_layers, measure_plan, measure_recompute,
                                       mlp_stack, named_plan, profile_stack, tiny_decoder)
+from course_lib.errors import UserError
 
 warnings.filterwarnings("ignore", message=".*use_reentrant.*")
 
@@ -93,6 +94,29 @@ def test_policies_keep_the_gradients(policy):
     expected = _loss_and_grads(model, loss_fn)
     with apply_plan(model, [(0, 2)], policy=policy):
         _assert_same(expected, _loss_and_grads(model, loss_fn))
+
+
+def test_the_replay_runs_under_the_recompute_context_and_only_the_replay():
+    """`recompute_context` (what the planner's meta-device autocast needs): entered once per segment's replay
+    in backward, never in the forward; the loss and every gradient are the unchecked ones."""
+    model = tiny_decoder("llama", n_layers=3, hidden=32, heads=2, vocab=64)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    expected = _loss_and_grads(model, loss_fn)
+    entered = []
+
+    class Recompute:
+        def __enter__(self):
+            entered.append(torch.is_grad_enabled())
+
+        def __exit__(self, *exc):
+            return False
+    with apply_plan(model, [(0, 2), (2, 3)], recompute_context=Recompute):
+        got = _loss_and_grads(model, lambda: (entered.append("forward"), loss_fn())[1])
+    _assert_same(expected, got)
+    assert entered == ["forward", True, True]  # two segments replayed, with autograd on
+    with pytest.raises(UserError, match="recompute_context applies to full checkpointing"):
+        apply_plan(model, "every-layer", policy="save-matmuls", recompute_context=Recompute)
 
 
 def test_checkpointed_forward_matches_the_plain_forward():

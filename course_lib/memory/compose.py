@@ -43,6 +43,16 @@ def layer_period(config) -> int | None:
     return None
 
 
+def shallow_depth(spec: ModelSpec) -> int | None:
+    """The layers of a shallow copy that holds every kind of position of the model (three periods of its
+    layer types), None when the model is traced in full: shallow, of layers that do not repeat, or with
+    a per-layer list besides layer_types (`checkpointed.checkpointed_slack`'s copy)."""
+    n, period = spec.n_layers, layer_period(spec.config)
+    if n is None or period is None or _per_layer_lists(spec.config, n) or n % period or n < MIN_PERIODS * period:
+        return None
+    return 3 * period
+
+
 def shallow_spec(spec: ModelSpec, n_layers: int) -> ModelSpec:
     """The same model with its first `n_layers` decoder layers (same parameter list: the trace uses
     it only for the frozen weights' shapes)."""

@@ -16,7 +16,8 @@ from course_lib.memory.setup import CATEGORIES, PlanError, Setup
 from course_lib.memory.sharded import sharded_values
 from course_lib.memory.states import model_states, target_match
 from course_lib.memory.toolbox import toolbox_notes
-from course_lib.memory.trace import checkpointed_slack, trace_step
+from course_lib.memory.checkpointed import checkpointed_slack
+from course_lib.memory.trace import trace_step
 from course_lib.models import config_class_name, model_spec, ModelSpec, supported_attention
 
 

@@ -10,7 +10,7 @@ docs/references.md#pytorch-atensrcatencudacublashandlepoolcpp-cublas-workspaces)
   state as the first step makes it);
 - the step's own: the traced step's allocations and frees replayed twice (`stream_slack`, kept in the
   trace; composed for a deep model); under checkpointing the checkpointed step's own
-  (`trace.checkpointed_slack`), with offloaded activations the plain step's scaled down with them;
+  (`checkpointed.checkpointed_slack`), with offloaded activations the plain step's scaled down with them;
 - the cuBLAS and cuBLASLt workspaces, which torch allocates through the caching allocator, one of each
   per (handle, stream): the main thread's handle (forward, optimizer step) and the autograd engine's
   device thread's (backward);
@@ -162,7 +162,7 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
     """The OOM line of one planned step on `gpu` (lesson 1): `values` are the plan's bytes by category
     (one GPU's share under --gpus), `states` its model states, `trace` its meta-device trace (None for a
     bare parameter count: then the step adds no slack), `detail` the plan's (FSDP1's stream pool),
-    `checkpointed` the slack of the step as its checkpointing plan runs it (`trace.checkpointed_slack`),
+    `checkpointed` the slack of the step as its checkpointing plan runs it (`checkpointed.checkpointed_slack`),
     which replaces the plain step's."""
     allocated = values["total"] - values["overhead"]
     paged = setup.optimizer.startswith("paged")
@@ -180,7 +180,7 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
     slack = _states_slack(tuple(sizes)) + sum(workspaces)
     if checkpointed is not None:
         slack += checkpointed
-    elif trace is not None:  # offloaded activations: the step's slack scaled down with what stays on the GPU
+    elif trace is not None:  # the plain step's; with offloaded activations scaled down with what stays on the GPU
         peak = max(trace.forward_peak, trace.head_backward_peak, trace.layer_backward_peak, trace.tail_backward_peak)
         step = values["activations"] + values["gradients"]
         slack += trace.allocator_slack if peak <= step else trace.allocator_slack * step // max(1, peak)

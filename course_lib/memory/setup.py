@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -111,10 +113,12 @@ class Setup:
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        # a whole float is its int, as course_lib.validate's checks take it (validate() refuses the rest)
+        # a whole number of any type (2.0, numpy's) is its int, as course_lib.validate's checks take it;
+        # validate() refuses the rest
         for name in ("batch", "seq", "accum", "lora_rank", "gpus", "chunked_loss"):
             value = getattr(self, name)
-            if isinstance(value, float) and value.is_integer():
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+                    and value == int(value):
                 object.__setattr__(self, name, int(value))
         # one module name is one target (never its characters); a list becomes a tuple (hashable)
         if self.lora_targets != "all-linear" and isinstance(self.lora_targets, (str, list)):

@@ -10,11 +10,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from course_lib.cache import cached, cached_answer
+from course_lib.cache import cached
 from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
 from course_lib.memory.autocast import MetaAutocast
-from course_lib.memory.compose import MIN_PERIODS, composed_trace, layer_period, shallow_spec
+from course_lib.memory.compose import composed_trace
 from course_lib.memory.meta_kernels import kernels_as_on
 from course_lib.memory.moe import refuse_lora_on_experts
 from course_lib.memory.reserved import AllocationStream, stream_slack
@@ -155,7 +155,6 @@ def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
 
 
 _TRACES: dict[tuple, Trace] = {}
-_SLACKS: dict[tuple, int] = {}  # checkpointed_slack's
 
 
 def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
@@ -177,44 +176,6 @@ def cached_trace(key: tuple, make) -> Trace:
     names = [f.name for f in fields(Trace) if f.name != "by_position"]
     return cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
                   lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
-
-
-def checkpointed_slack(spec: ModelSpec, setup: Setup, target: str = "cuda") -> int:
-    """What the caching allocator reserves beyond the peak for the step checkpointed as `setup.checkpointing`
-    plans it (lesson 3's plan applied by `course_lib.checkpointing.apply_plan`), its allocations and frees
-    replayed twice as `stream_slack` replays the plain step's (`Trace.allocator_slack`; lesson 1, "the
-    planner"). Traced on a copy of three periods of layers: the slack comes from the output layer and the
-    loss, whose blocks checkpointing leaves as they are (the same within 5% for 3 and 4 layers of
-    Llama-2-7B), not from the layers' activations that it frees. Predicted: CPU has no caching allocator."""
-    key = (*_trace_key(spec, setup, target), "checkpointed", setup.checkpointing)
-    if key not in _SLACKS:
-        _SLACKS[key] = cached_answer("slack", repr(key), lambda: _checkpointed_slack(spec, setup, target))
-    return _SLACKS[key]
-
-
-def _checkpointed_slack(spec: ModelSpec, setup: Setup, target: str) -> int:
-    from course_lib.checkpointing import apply_plan, named_plan  # off the import path
-
-    period = layer_period(spec.config)
-    depth = spec.n_layers if period is None or spec.n_layers < MIN_PERIODS * period else 3 * period
-    copy_spec = spec if depth == spec.n_layers else shallow_spec(spec, depth)
-    model = _build_traced_model(copy_spec, setup)
-    # the replay in backward runs under autocast too, as torch's checkpoint restores torch.autocast for it
-    autocast = None if setup.autocast_dtype is None else MetaAutocast(setup.autocast_dtype, target)
-    apply_plan(model, named_plan(depth, setup.checkpointing), recompute_context=autocast and (lambda: autocast))
-    tracer = _MetaTracer()
-    ids = torch.zeros(setup.batch, setup.seq, dtype=torch.long, device="meta")
-    for tensor in [ids, *model.parameters(), *model.buffers()]:
-        tracer.exclude(tensor)
-    with warnings.catch_warnings(), kernels_as_on(target, autocast), tracer:
-        warnings.simplefilter("ignore")
-        with autocast or contextlib.nullcontext():
-            loss, outputs = traced_loss(model, ids, setup, autocast)
-        if setup.loop == "trainer":
-            del outputs
-        loss.backward()
-        del loss
-    return stream_slack(tracer.stream, tracer.peak)
 
 
 def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
