@@ -152,6 +152,22 @@ def test_plan_refuses_a_dict_for_a_setup():
         plan("gpt2", {"batch": 2})
 
 
+@pytest.mark.parametrize("sizes", [dict(batch=10**30), dict(batch=1e30), dict(batch=10**12, seq=10**12)])
+def test_plan_refuses_sizes_no_tensor_can_have(sizes):
+    with pytest.raises(UserError, match="more than a tensor can hold") as error:
+        plan("gpt2", **sizes)
+    one_line(error)
+
+
+def test_plan_takes_a_whole_number_of_any_type_as_its_int():
+    import fractions
+
+    import numpy as np
+    for batch in (2.0, np.float32(2), np.int64(2), fractions.Fraction(4, 2)):
+        result = plan("gpt2", batch=batch, seq=32)
+        assert type(result.setup.batch) is int and result.bytes == plan("gpt2", batch=2, seq=32).bytes
+
+
 def test_chunked_cross_entropy_refuses_a_negative_item_count():
     hidden, weight = torch.randn(1, 4, 8), torch.randn(10, 8)
     labels = torch.randint(0, 10, (1, 4))

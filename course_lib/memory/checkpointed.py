@@ -17,7 +17,6 @@ from course_lib.memory.compose import shallow_depth, shallow_spec
 from course_lib.memory.meta_kernels import kernels_as_on
 from course_lib.memory.reserved import stream_slack
 from course_lib.memory.setup import PlanError, Setup
-from course_lib.memory.states import model_states
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
 from course_lib.memory.trace import _build_traced_model, _MetaTracer, _trace_key
 from course_lib.models import ModelSpec
@@ -51,11 +50,8 @@ def _checkpointed_slack(spec: ModelSpec, setup: Setup, target: str) -> int:
     for tensor in [ids, *model.parameters(), *model.buffers()]:
         tracer.exclude(tensor)
     if setup.optimizer_in_backward:  # lesson 7: each tensor's step temporaries, then its gradient freed
-        embeddings = frozenset(id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding))
-        hook = step_in_backward_hook(tracer, setup, model_states(copy_spec, setup, cuda=target == "cuda")
-                                     .state_itemsize, target == "cuda", embeddings)
+        hook = step_in_backward_hook(tracer, model, copy_spec, setup, target == "cuda")
         for param in (p for p in model.parameters() if p.requires_grad):
-            param.register_post_accumulate_grad_hook(_count_grad(tracer))
             param.register_post_accumulate_grad_hook(hook)
     try:
         apply_plan(model, named_plan(depth, setup.checkpointing), recompute_context=autocast and (lambda: autocast))
@@ -71,11 +67,4 @@ def _checkpointed_slack(spec: ModelSpec, setup: Setup, target: str) -> int:
         reason = " ".join(str(error).split())[:300]
         raise PlanError(f"cannot trace {spec.name}'s step checkpointed as {setup.checkpointing!r} on the meta device "
                         f"({type(error).__name__}: {reason}); plan without --gpu for the allocated bytes") from None
-    return stream_slack(tracer.stream, tracer.peak)
-
-
-def _count_grad(tracer: _MetaTracer):
-    """A post-accumulate-grad hook keeping `tracer.grad_bytes` (the gradients stored in `.grad`)."""
-    def hook(param):
-        tracer.grad_bytes += param.grad.untyped_storage().nbytes()
-    return hook
+    return stream_slack(tracer.stream, tracer.peak)  # the stream and its peak: gradients need no count

@@ -10,13 +10,13 @@ from dataclasses import asdict, dataclass, field, replace
 from course_lib.course import wrapped
 from course_lib.measure import GiB, format_bytes
 from course_lib.memory.activations import step_phases
+from course_lib.memory.checkpointed import checkpointed_slack
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU
 from course_lib.memory.reserved import Reserved, reserved_prediction
 from course_lib.memory.setup import CATEGORIES, PlanError, Setup
 from course_lib.memory.sharded import sharded_values
 from course_lib.memory.states import model_states, target_match
 from course_lib.memory.toolbox import toolbox_notes
-from course_lib.memory.checkpointed import checkpointed_slack
 from course_lib.memory.trace import trace_step
 from course_lib.models import config_class_name, model_spec, ModelSpec, supported_attention
 

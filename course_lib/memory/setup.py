@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +28,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class PlanError(UserError):
     """A setup the planner cannot plan: the message says what to change (lesson 1)."""
+
+
+INDEX_MAX = torch.iinfo(torch.int64).max  # the most elements a tensor's size can count
 
 
 @dataclass(frozen=True)
@@ -113,13 +114,13 @@ class Setup:
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        # a whole number of any type (2.0, numpy's) is its int, as course_lib.validate's checks take it;
-        # validate() refuses the rest
+        # a whole number of any type (2.0, numpy's) is its int, as course_lib.validate's checks return it;
+        # validate() names what is wrong with the rest
         for name in ("batch", "seq", "accum", "lora_rank", "gpus", "chunked_loss"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
-                    and value == int(value):
-                object.__setattr__(self, name, int(value))
+            try:
+                object.__setattr__(self, name, validate.integer(name, getattr(self, name), error=PlanError))
+            except PlanError:
+                pass
         # one module name is one target (never its characters); a list becomes a tuple (hashable)
         if self.lora_targets != "all-linear" and isinstance(self.lora_targets, (str, list)):
             object.__setattr__(self, "lora_targets", validate.strings("lora_targets", self.lora_targets, error=PlanError))
@@ -140,6 +141,9 @@ class Setup:
             validate.choice(what, value, options, error=PlanError)
         for value, what in ((self.batch, "batch"), (self.seq, "seq"), (self.accum, "accum")):
             validate.positive_int(what, value, error=PlanError)
+        if self.batch * self.seq > INDEX_MAX:
+            raise PlanError(f"batch {self.batch:,} x seq {self.seq:,} tokens: more than a tensor can hold "
+                            f"({INDEX_MAX:,} elements, torch's int64 sizes)")
         validate.non_negative_int("lora_rank (0: no LoRA)", self.lora_rank, error=PlanError)
         if self.adam_state not in (None, "fp32"):
             raise PlanError(f"adam_state must be None (the parameter's dtype) or 'fp32', got {self.adam_state!r}")

@@ -69,6 +69,12 @@ def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
 # The planner plans the Trainer's optimizer (lesson 7, "lean optimizers").
 
 
+def eight_bit_state(optimizer: str, numel: int, full_state: bool = False) -> bool:
+    """Whether bitsandbytes keeps (and steps) this tensor's state in 8 bits: its 8-bit optimizers do, for
+    `BNB_MIN_8BIT_SIZE` elements or more, but for a `full_state` tensor (the Trainer's embeddings)."""
+    return optimizer in ("adamw8bit", "paged_adamw8bit") and numel >= BNB_MIN_8BIT_SIZE and not full_state
+
+
 def state_tensor_bytes(optimizer: str, shape: Sequence[int], state_itemsize: int, full_state: bool = False) -> list[int]:
     """The bytes of each state tensor an optimizer keeps for one trained tensor of `shape` (lesson 1),
     without the step counters and bitsandbytes' quantization maps (`optimizer_state_bytes` adds them).
@@ -92,7 +98,7 @@ def state_tensor_bytes(optimizer: str, shape: Sequence[int], state_itemsize: int
     if optimizer == "lion":  # bitsandbytes Lion, 32-bit
         return [4 * n]
     if optimizer in ("adamw8bit", "paged_adamw8bit"):
-        return [4 * n] * 2 if n < BNB_MIN_8BIT_SIZE or full_state else [n, n] + [4 * math.ceil(n / BNB_BLOCK)] * 2
+        return [n, n] + [4 * math.ceil(n / BNB_BLOCK)] * 2 if eight_bit_state(optimizer, n, full_state) else [4 * n] * 2
     if optimizer == "adafactor":
         if len(shape) >= 2:
             return [math.prod(shape[:-1]) * state_itemsize, math.prod(shape[:-2]) * shape[-1] * state_itemsize]
@@ -102,7 +108,7 @@ def state_tensor_bytes(optimizer: str, shape: Sequence[int], state_itemsize: int
 
 def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize: int,
                           shapes: Sequence[tuple[int, ...]] | None = None, step_counters: bool = True,
-                          per_tensor: bool = False) -> int:
+                          per_tensor: bool = False, full_state: Sequence[bool] = ()) -> int:
     """Exact bytes of an optimizer's state for trainable tensors of these sizes (lesson 1).
 
     `state_itemsize`: bytes per element of torch optimizers' state (the parameter's dtype, or 4 for
@@ -110,19 +116,21 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
     `step_counters`: torch AdamW and Adafactor keep a float32 step tensor per parameter (on the CPU
     unless capturable/fused: not GPU memory on a CUDA target). `per_tensor`: one optimizer per tensor
     (lesson 7's step in backward): each bitsandbytes optimizer then has its own quantization maps.
+    `full_state`: one flag per tensor, kept in 32 bits by an 8-bit optimizer (`ModelStates.full_state`).
     """
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"unknown optimizer {optimizer!r}")
     if optimizer == "adafactor" and shapes is None:
         raise PlanError("adafactor's state depends on tensor shapes: give a model, not only --params")
     tensors = shapes if optimizer == "adafactor" else [(n,) for n in numels]
-    total = sum(sum(state_tensor_bytes(optimizer, shape, state_itemsize)) for shape in tensors)
+    flags = list(full_state) or [False] * len(numels)
+    total = sum(sum(state_tensor_bytes(optimizer, shape, state_itemsize, full)) for shape, full in zip(tensors, flags))
     if optimizer in ("adamw", "adamw_fused") and step_counters:
         total += 4 * len(numels)
     if optimizer == "adafactor":  # an fp32 RMS scalar per tensor on the parameter's device
         total += 4 * len(numels)
     if optimizer in ("adamw8bit", "paged_adamw8bit"):
-        eight_bit = sum(1 for n in numels if n >= BNB_MIN_8BIT_SIZE)
+        eight_bit = sum(1 for n, full in zip(numels, flags) if eight_bit_state(optimizer, n, full))
         total += BNB_QMAPS_BYTES * (eight_bit if per_tensor else min(eight_bit, 1))
     return total
 
@@ -150,8 +158,8 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
         extra = sum(numels) * state_itemsize if cuda else 2 * largest * state_itemsize
     elif optimizer in ("adamw8bit", "paged_adamw8bit", "paged_adamw32bit") and not cuda:
         flags = list(full_state) or [False] * len(numels)
-        extra = max(_bnb_cpu_step_bytes(n, grad_itemsize, optimizer != "paged_adamw32bit" and not in_32_bits
-                                        and n >= BNB_MIN_8BIT_SIZE) for n, in_32_bits in zip(numels, flags))
+        extra = max(_bnb_cpu_step_bytes(n, grad_itemsize, eight_bit_state(optimizer, n, full))
+                    for n, full in zip(numels, flags))
     elif optimizer == "adafactor":  # update and its negation (fp32), plus fp32 copies of a 16-bit grad and param
         extra = max(4 * math.prod(s) * (2 if grad_itemsize == 4 else 4)
                     + 4 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else 1) for s in shapes)
@@ -223,21 +231,15 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
     if not setup.lora_rank:
         shapes = [p.shape for p in spec.params]
         numels = [p.numel for p in spec.params]
-        full_state = state_size(wsize)
-        if setup.optimizer in ("adamw8bit", "paged_adamw8bit"):  # the Trainer's override: embeddings in 32 bits
-            optimizer_state = optimizer_state_bytes(setup.optimizer, [p.numel for p in spec.params
-                                                                      if p.module != "embedding"],
-                                                    full_state, per_tensor=setup.optimizer_in_backward) \
-                + 8 * sum(p.numel for p in spec.params if p.module == "embedding")
-        else:
-            optimizer_state = optimizer_state_bytes(setup.optimizer, numels, full_state, shapes, step_counters,
-                                                    setup.optimizer_in_backward)
+        state_itemsize = state_size(wsize)
+        full_state = tuple(p.module == "embedding" for p in spec.params)  # the Trainer's override, under 8-bit
         return ModelStates(
             weights=sum(numels) * wsize, gradients=sum(numels) * grad_size,
-            optimizer_state=optimizer_state,
+            optimizer_state=optimizer_state_bytes(setup.optimizer, numels, state_itemsize, shapes, step_counters,
+                                                  setup.optimizer_in_backward, full_state),
             master_weights=4 * sum(numels) if mixed else 0, quantization=0,
             trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=read_size,
-            state_itemsize=full_state, full_state=tuple(p.module == "embedding" for p in spec.params))
+            state_itemsize=state_itemsize, full_state=full_state)
 
     # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default);
     # autocast_adapter_dtype=False: adapters, gradients and torch optimizer state in the base's dtype.

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from course_lib.measure import format_bytes
-from course_lib.memory.states import optimizer_step_extra
+from course_lib.memory.states import model_states, optimizer_step_extra
 from course_lib.models import legacy_causal_lm_loss
 from course_lib.paging.policies import PCIE3_X16
 from course_lib.toolbox.activation_offload import transfer_seconds
@@ -51,11 +51,13 @@ def traced_loss(model: torch.nn.Module, ids: torch.Tensor, setup, autocast=None)
     return chunked_causal_lm_loss(model, ids, ids, setup.chunked_loss, recompute_context=again), None
 
 
-def step_in_backward_hook(tracer, setup, state_itemsize: int, cuda: bool, embeddings: frozenset = frozenset()):
-    """A post-accumulate-grad hook for the traced step: the step's temporaries for this one tensor,
-    then its gradient freed, as `course_lib.toolbox.OptimizerInBackward` does (lesson 7); `embeddings`:
-    the ids of the embedding weights, which an 8-bit optimizer steps in 32 bits (the Trainer's override)."""
+def step_in_backward_hook(tracer, model: torch.nn.Module, spec, setup, cuda: bool):
+    """A post-accumulate-grad hook for the traced step of `model` (`spec`'s): the step's temporaries for this
+    one tensor, then its gradient freed, as `course_lib.toolbox.OptimizerInBackward` does (lesson 7); an
+    embedding weight an 8-bit optimizer steps in 32 bits (the Trainer's override)."""
     mixed = setup.precision.startswith("mixed")
+    state_itemsize = model_states(spec, setup, cuda=cuda).state_itemsize
+    embeddings = frozenset(id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding))
 
     def hook(param):
         grad = param.grad

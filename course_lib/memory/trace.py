@@ -19,7 +19,6 @@ from course_lib.memory.meta_kernels import kernels_as_on
 from course_lib.memory.moe import refuse_lora_on_experts
 from course_lib.memory.reserved import AllocationStream, stream_slack
 from course_lib.memory.setup import PlanError, Setup, itemsize
-from course_lib.memory.states import model_states
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
 from course_lib.models import ModelSpec, build_model, supported_attention, transformers_config
 from course_lib.toolbox.activation_offload import HostOffload
@@ -271,11 +270,9 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         tracer.grad_bytes += param.grad.untyped_storage().nbytes()
         tracer.set_phase(tracer.phase)
 
-    in_backward = None
-    if setup.optimizer_in_backward:  # lesson 7: the step's temporaries of one tensor, then its gradient freed
-        embeddings = frozenset(id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding))
-        in_backward = step_in_backward_hook(tracer, setup, model_states(spec, setup, cuda=target == "cuda")
-                                            .state_itemsize, target == "cuda", embeddings)
+    # lesson 7: the step's temporaries of one tensor, then its gradient freed
+    in_backward = step_in_backward_hook(tracer, model, spec, setup, target == "cuda") \
+        if setup.optimizer_in_backward else None
     for param in model.parameters():
         if param.requires_grad:
             handles.append(param.register_post_accumulate_grad_hook(grad_hook))
