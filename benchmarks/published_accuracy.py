@@ -42,7 +42,7 @@ TRUST = {"A": "configuration and statistic as published",
 SHARDINGS = {"none": "none", "fsdp-no-shard": "none", "fsdp-full-shard": "zero3"}  # the data's -> Setup.shard
 REQUIRED = ("id", "source", "ref", "stack", "published_model", "method", "micro_batch", "seq", "tokens_at_peak",
             "dtype", "autocast", "optimizer", "checkpointing", "autocast_adapter_dtype", "loop", "legacy_causal_lm_loss",
-            "fsdp_backward_prefetch", "gpus", "sharding",
+            "empty_cache_each_step", "fsdp_backward_prefetch", "gpus", "sharding",
             "statistic", "unit", "outcome", "trust", "facts")
 
 
@@ -77,7 +77,8 @@ def load_rows(path: Path = DATA) -> list[dict]:
             raise UserError(f"{where}: a fit has a measured value and an OOM none")
         if row["sharding"].split("+")[0] not in SHARDINGS:
             raise UserError(f"{where}: unknown sharding {row['sharding']!r}: use one of {', '.join(SHARDINGS)}")
-        for name in ("autocast_adapter_dtype", "legacy_causal_lm_loss", "fsdp_backward_prefetch"):
+        for name in ("autocast_adapter_dtype", "legacy_causal_lm_loss", "empty_cache_each_step",
+                     "fsdp_backward_prefetch"):
             if row[name] not in ("True", "False"):  # autocast_adapter_dtype True: peft's fp32 adapters (>= 0.11)
                 raise UserError(f"{where}: {name} is True or False, not {row[name]!r}")
         if row["loop"] not in LOOPS:
@@ -112,6 +113,7 @@ def setup_of(row: dict) -> Setup:
                  lora_dropout=float(row["lora_dropout"] or 0) if lora else 0.0,
                  autocast_adapter_dtype=row["autocast_adapter_dtype"] == "True", loop=row["loop"],
                  legacy_causal_lm_loss=row["legacy_causal_lm_loss"] == "True",
+                 empty_cache_each_step=row["empty_cache_each_step"] == "True",
                  gpus=None if gpus == 1 else gpus, shard=SHARDINGS[row["sharding"].split("+")[0]],
                  fsdp_version=int(row["fsdp_version"] or 2), fsdp_backward_prefetch=row["fsdp_backward_prefetch"] == "True")
 

@@ -213,14 +213,19 @@ class CachingAllocator:
                               len(self.segment_bytes), self.oom_retries)
 
 
-def replay(sizes: list[int], capacity: int | None = None) -> AllocatorStats:
+EMPTY_CACHE = None  # a `replay` entry: torch.cuda.empty_cache() at that point
+
+
+def replay(sizes: list[int | None], capacity: int | None = None) -> AllocatorStats:
     """Run a stream of allocations and frees through the allocator on one stream (lessons 1 and 4):
     a positive entry allocates that many bytes, a negative index entry `~i` frees the i-th allocation
-    (`~i` is -i - 1)."""
+    (`~i` is -i - 1), `EMPTY_CACHE` releases every cached segment with nothing allocated in it."""
     allocator = CachingAllocator(capacity)
     handles: list[int] = []
     for entry in sizes:
-        if entry >= 0:
+        if entry is EMPTY_CACHE:
+            allocator.empty_cache()
+        elif entry >= 0:
             handles.append(allocator.malloc(entry))
         else:
             allocator.free(handles[~entry])

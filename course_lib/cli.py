@@ -101,7 +101,8 @@ def _plan(args: argparse.Namespace) -> int:
                                autocast_adapter_dtype=args.autocast_adapter_dtype, quant=args.quant, batch=args.batch,
                                seq=args.seq, checkpointing=args.checkpointing, accum=args.accum,
                                attention=args.attention, loop=args.loop,
-                               legacy_causal_lm_loss=args.legacy_causal_lm_loss, gpu=args.gpu, gpus=args.gpus,
+                               legacy_causal_lm_loss=args.legacy_causal_lm_loss,
+                               empty_cache_each_step=args.empty_cache_each_step, gpu=args.gpu, gpus=args.gpus,
                                shard=args.shard, fsdp_wrapping=args.fsdp_wrapping,
                                fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_reshard_root=args.fsdp_reshard_root,
                                fsdp_version=args.fsdp_version, fsdp_backward_prefetch=args.fsdp_backward_prefetch,
@@ -194,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--legacy-causal-lm-loss", action="store_true", default=None,
                       help="the loss as transformers before 4.46 computed it: fp32 logits returned, the shifted "
                            "logits copied")
+    plan.add_argument("--empty-cache-each-step", action="store_true", default=None,
+                      help="the loop calls torch.cuda.empty_cache() after each step (changes the reserved memory)")
     # lesson 7's tricks
     plan.add_argument("--optimizer-in-backward", action="store_true", default=None,
                       help="step each parameter in backward and free its gradient there (no accumulation)")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from course_lib.caching_allocator import (KiB, MiB, AllocatorOutOfMemory, CachingAllocator, replay, round_size,
-                                          segment_size)
+from course_lib.caching_allocator import (EMPTY_CACHE, KiB, MiB, AllocatorOutOfMemory, CachingAllocator, replay,
+                                          round_size, segment_size)
 
 
 def test_a_tiny_request_reserves_one_small_segment():
@@ -156,3 +156,10 @@ def test_replay_frees_by_index():
     stats = replay([5 * MiB, ~0, 5 * MiB, 12 * MiB])  # the 12 MiB request takes the segment's other 15 MiB
     assert (stats.peak_allocated, stats.peak_reserved) == (17 * MiB, 20 * MiB)
     assert replay([5 * MiB, 16 * MiB]).peak_reserved == 36 * MiB
+
+
+def test_replay_empties_the_cache_where_the_stream_says():
+    assert replay([20 * MiB, ~0, 30 * MiB]).peak_reserved == 50 * MiB  # the 20 MiB segment stays cached
+    emptied = replay([20 * MiB, 4 * MiB, ~0, EMPTY_CACHE, 30 * MiB])
+    assert (emptied.peak_reserved, emptied.reserved) == (50 * MiB, 20 * MiB + 30 * MiB)  # the 4 MiB block's segment stays
+    assert replay([20 * MiB, ~0, EMPTY_CACHE, 30 * MiB]).peak_reserved == 30 * MiB

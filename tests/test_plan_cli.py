@@ -41,6 +41,17 @@ def test_a_bundled_model_on_a_gpu_gives_a_table_a_verdict_and_tricks(capsys):
     assert "amp-fp16" in out  # the Trainer's fp16=True: the T4 has no bf16, the default precision follows the GPU
 
 
+def test_empty_cache_each_step_changes_the_reserved_memory_only(capsys):
+    flags = ("gpt2", "--precision", "amp-fp16", "--seq", "1024", "--gpu", "t4", "--json")
+    kept = json.loads(run(capsys, *flags)[1])
+    code, out, _ = run(capsys, *flags, "--empty-cache-each-step")
+    emptied = json.loads(out)
+    assert code == 0 and emptied["bytes"] == kept["bytes"]
+    assert emptied["reserved"]["reserved_bytes"] != kept["reserved"]["reserved_bytes"]
+    assert any("empty_cache()" in note for note in emptied["notes"])
+    assert not any("empty_cache()" in note for note in kept["notes"])
+
+
 def test_json_for_a_model_has_known_activations_and_the_fit(capsys):
     code, out, _ = run(capsys, "gpt2", "--precision", "fp32", "--seq", "256", "--checkpointing", "every-layer",
                        "--gpu", "a100-80gb", "--json")

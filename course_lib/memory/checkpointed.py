@@ -28,12 +28,12 @@ def checkpointed_slack(spec: ModelSpec, setup: Setup, target: str = "cuda") -> i
     """What the caching allocator reserves beyond the peak for the step checkpointed as `setup.checkpointing`
     plans it (lesson 3's plan applied by `course_lib.checkpointing.apply_plan`), its allocations and frees
     replayed twice as `stream_slack` replays the plain step's (`Trace.allocator_slack`; lesson 1, "the
-    planner"). Traced on a copy of three periods of layers (`compose.shallow_depth`; the whole model when
+    planner"), the cache emptied in between under `setup.empty_cache_each_step`. Traced on a copy of three periods of layers (`compose.shallow_depth`; the whole model when
     it is shallow or its layers do not repeat): the slack comes from the output layer and the loss, whose
     blocks checkpointing leaves as they are (the same within 5% for 3 and 4 layers of Llama-2-7B), not from
     the layers' activations that it frees. PlanError, one line, for a model the plan cannot be applied to.
     Predicted: CPU has no caching allocator."""
-    key = (*_trace_key(spec, setup, target), "checkpointed", setup.checkpointing)
+    key = (*_trace_key(spec, setup, target), "checkpointed", setup.checkpointing, setup.empty_cache_each_step)
     if key not in _SLACKS:
         _SLACKS[key] = cached_answer("slack", repr(key), lambda: _checkpointed_slack(spec, setup, target))
     return _SLACKS[key]
@@ -67,4 +67,5 @@ def _checkpointed_slack(spec: ModelSpec, setup: Setup, target: str) -> int:
         reason = " ".join(str(error).split())[:300]
         raise PlanError(f"cannot trace {spec.name}'s step checkpointed as {setup.checkpointing!r} on the meta device "
                         f"({type(error).__name__}: {reason}); plan without --gpu for the allocated bytes") from None
-    return stream_slack(tracer.stream, tracer.peak)  # the stream and its peak: gradients need no count
+    # the stream and its peak: gradients need no count
+    return stream_slack(tracer.stream, tracer.peak, setup.empty_cache_each_step)

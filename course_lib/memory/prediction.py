@@ -280,6 +280,11 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
     checkpointed = checkpointed_slack(spec, setup) if cuda and trace is not None and setup.checkpointing != "none" \
         else None
     oom_line = reserved_prediction(spec, setup, states, values, trace, card, detail, checkpointed) if cuda else None
+    if setup.empty_cache_each_step:
+        notes.append("torch.cuda.empty_cache() after each step: the segments nothing lives in go back to the driver, "
+                     "so each step cuts its blocks from fresh ones; "
+                     + ("the reserved memory is one step's from them" if cuda else
+                        "it changes only the reserved memory: give --gpu to see it"))
     return Plan(name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes,
                 oom_line=oom_line)
 

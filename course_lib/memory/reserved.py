@@ -9,7 +9,8 @@ docs/references.md#pytorch-atensrcatencudacublashandlepoolcpp-cublas-workspaces)
   `course_lib.caching_allocator` (weights as loaded, the cuBLAS workspaces, master weights, optimizer
   state as the first step makes it);
 - the step's own: the traced step's allocations and frees replayed twice (`stream_slack`, kept in the
-  trace; composed for a deep model); under checkpointing the checkpointed step's own
+  trace; composed for a deep model), the cache emptied in between where the loop calls
+  torch.cuda.empty_cache() after each step (`Setup.empty_cache_each_step`); under checkpointing the checkpointed step's own
   (`checkpointed.checkpointed_slack`), with offloaded activations the plain step's scaled down with them;
 - the cuBLAS and cuBLASLt workspaces, which torch allocates through the caching allocator, one of each
   per (handle, stream): the main thread's handle (forward, optimizer step) and the autograd engine's
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.caching_allocator import replay
+from course_lib.caching_allocator import EMPTY_CACHE, replay
 from course_lib.measure import format_bytes
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU
 from course_lib.memory.states import state_tensor_bytes
@@ -83,15 +84,18 @@ class AllocationStream:
         super()._resized(key, nbytes)
 
 
-def stream_slack(stream: list[int], peak: int) -> int:
+def stream_slack(stream: list[int], peak: int, empty_cache: bool = False) -> int:
     """What the caching allocator reserves beyond `peak` (the step's most live bytes) for the traced
     step run twice, what the first left alive (the gradients) freed in between as `zero_grad` does
-    (lesson 1)."""
+    (lesson 1). `empty_cache`: the loop calls torch.cuda.empty_cache() after each step (peft's
+    MetaMathQA run.py), with the gradients still alive, so the second step finds only the segments of
+    what lives on."""
     made = sum(1 for entry in stream if entry >= 0)
     freed = {~entry for entry in stream if entry < 0}
     between = [~i for i in range(made) if i not in freed]
     again = [entry if entry >= 0 else entry - made for entry in stream]
-    return max(0, replay(stream + between + again).peak_reserved - peak)
+    emptied = [EMPTY_CACHE] if empty_cache else []
+    return max(0, replay(stream + emptied + between + again).peak_reserved - peak)
 
 
 def cublas_workspaces(gpu: GPU) -> list[int]:
@@ -183,7 +187,8 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
     elif trace is not None:  # the plain step's; with offloaded activations scaled down with what stays on the GPU
         peak = max(trace.forward_peak, trace.head_backward_peak, trace.layer_backward_peak, trace.tail_backward_peak)
         step = values["activations"] + values["gradients"]
-        slack += trace.allocator_slack if peak <= step else trace.allocator_slack * step // max(1, peak)
+        plain = trace.allocator_slack_emptied if setup.empty_cache_each_step else trace.allocator_slack
+        slack += plain if peak <= step else plain * step // max(1, peak)
     slack += detail.get("stream_pools_extra", 0) if detail else 0  # FSDP1's unshard stream's pool
     capacity = gpu.cuda_memory_bytes or gpu.memory_bytes
     return Reserved(allocated, allocated - managed + slack, sum(workspaces), values["overhead"] or CUDA_CONTEXT_BYTES,

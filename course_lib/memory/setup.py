@@ -69,6 +69,9 @@ class Setup:
     v4.38 to v4.45, and the heads copied from it): the model upcasts the logits to fp32 and returns them,
     and copies the shifted logits for CrossEntropyLoss (`logits[..., :-1, :].contiguous()`); from 4.46 the
     logits stay in the model's dtype and the loss upcasts them (transformers pull requests 31292, 33902).
+    empty_cache_each_step: the loop calls torch.cuda.empty_cache() after each step (peft's MetaMathQA
+    run.py does): the segments nothing lives in go back to the driver, so the next step's blocks are cut
+    from fresh segments, not from the last step's; it changes only the reserved memory on a GPU.
     gpus: None (one GPU, no data parallelism) or N GPUs training together, `batch` per GPU; shard:
     "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.memory.sharded`). Under zero2/zero3
     (FSDP2) the precision is MixedPrecisionPolicy's param_dtype (mixed-bf16: an fp32 model gathered in
@@ -102,6 +105,7 @@ class Setup:
     attention: str = "sdpa"
     loop: str = "trainer"
     legacy_causal_lm_loss: bool = False
+    empty_cache_each_step: bool = False
     gpus: int | None = None
     shard: str = "none"
     fsdp_wrapping: str = "blocks"
@@ -129,6 +133,7 @@ class Setup:
         """The setup itself, or PlanError naming the bad value."""
         validate.strict_bool("prepare_kbit", self.prepare_kbit, error=PlanError)
         validate.strict_bool("legacy_causal_lm_loss", self.legacy_causal_lm_loss, error=PlanError)
+        validate.strict_bool("empty_cache_each_step", self.empty_cache_each_step, error=PlanError)
         if self.lora_targets != "all-linear":
             validate.strings("lora_targets", self.lora_targets, error=PlanError)
         if self.prepare_kbit and self.lora_rank == 0:

@@ -44,6 +44,7 @@ class _MetaTracer(AllocationStream, LiveStorageTracker):
         self.peak_grads: dict[str, int] = {}  # the gradients live at each phase's peak
         self.position_peaks: dict[tuple[str, int | str], tuple[int, int, int]] = {}
         self.known: set[int] = set()
+        self.stream_marks: list[tuple[int, str, int | str]] = [(0, self.phase, self.position)]  # memory.deep_stream
 
     def exclude(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage (a parameter, the batch), nor views of it."""
@@ -71,6 +72,8 @@ class _MetaTracer(AllocationStream, LiveStorageTracker):
         self.phase = phase
         if position is not None:
             self.position = position
+        if self.stream_marks[-1][1:] != (self.phase, self.position):  # the stream's entries from here on
+            self.stream_marks.append((len(self.stream), self.phase, self.position))
         self._record(0)
 
 
@@ -129,6 +132,7 @@ class Trace:
     # allocations and frees run twice through course_lib.caching_allocator (memory.reserved);
     # a composed trace takes the larger of its shallow copies' (memory.compose; not exact: compare=False)
     allocator_slack: int = field(default=0, compare=False)
+    allocator_slack_emptied: int = field(default=0, compare=False)  # the same, torch.cuda.empty_cache() between
     # the gradients live at each phase's peak, and per decoder layer those its own backward made before its peak
     forward_peak_grads: int = 0
     head_backward_peak_grads: int = 0
@@ -138,6 +142,10 @@ class Trace:
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients, gradients at the peak): what
     # course_lib.memory.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
+    # the allocations and frees themselves, cut by phase and position (AllocationStream, _MetaTracer): what
+    # memory.deep_stream builds a deep model's from; not kept on disk
+    stream: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    stream_marks: tuple = field(default=(), compare=False, repr=False)
 
 
 def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
@@ -172,7 +180,7 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
 
 def cached_trace(key: tuple, make) -> Trace:
     """The trace for `key` from the disk cache (course_lib.cache), or `make()` kept there."""
-    names = [f.name for f in fields(Trace) if f.name != "by_position"]
+    names = [f.name for f in fields(Trace) if f.name not in ("by_position", "stream", "stream_marks")]
     return cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
                   lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
 
@@ -338,7 +346,8 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         layer_backward_peak_grads=at_peak.get("layer_backward", 0),
         tail_backward_peak_grads=at_peak.get("tail_backward", 0), layer_peak_grads=own,
         allocator_slack=stream_slack(tracer.stream, tracer.peak),
-        by_position=dict(tracer.position_peaks))
+        allocator_slack_emptied=stream_slack(tracer.stream, tracer.peak, empty_cache=True),
+        by_position=dict(tracer.position_peaks), stream=tuple(tracer.stream), stream_marks=tuple(tracer.stream_marks))
 
 
 def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
