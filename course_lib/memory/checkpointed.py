@@ -28,8 +28,9 @@ def checkpointed_slack(spec: ModelSpec, setup: Setup, target: str = "cuda") -> i
     """What the caching allocator reserves beyond the peak for the step checkpointed as `setup.checkpointing`
     plans it (lesson 3's plan applied by `course_lib.checkpointing.apply_plan`), its allocations and frees
     replayed twice as `stream_slack` replays the plain step's (`Trace.allocator_slack`; lesson 1, "the
-    planner"), the cache emptied in between under `setup.empty_cache_each_step`. Traced on a copy of three periods of layers (`compose.shallow_depth`; the whole model when
-    it is shallow or its layers do not repeat): the slack comes from the output layer and the loss, whose
+    planner"), the cache emptied in between under `setup.empty_cache_each_step`. Traced on a copy of three
+    periods of layers (`compose.shallow_depth`; the whole model when it is shallow or its layers do not
+    repeat): the slack comes from the output layer and the loss, whose
     blocks checkpointing leaves as they are (the same within 5% for 3 and 4 layers of Llama-2-7B), not from
     the layers' activations that it frees. PlanError, one line, for a model the plan cannot be applied to.
     Predicted: CPU has no caching allocator."""

@@ -18,7 +18,7 @@ import copy
 from collections.abc import Callable
 
 from course_lib.memory.deep_stream import deep_stream, live_peak
-from course_lib.memory.reserved import stream_slack
+from course_lib.memory.reserved import stream_slacks
 from course_lib.models import ModelSpec, transformers_config
 
 MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
@@ -160,5 +160,4 @@ def _slacks(a, b, n: int, period: int) -> dict[str, int]:
     stream = deep_stream(a, b, n, period)
     if stream is None:
         return {name: max(getattr(a, name), getattr(b, name)) for name in APPROXIMATE}
-    peak = live_peak(stream)
-    return {"allocator_slack": stream_slack(stream, peak), "allocator_slack_emptied": stream_slack(stream, peak, True)}
+    return stream_slacks(stream, live_peak(stream))

@@ -9,9 +9,10 @@ docs/references.md#pytorch-atensrcatencudacublashandlepoolcpp-cublas-workspaces)
   `course_lib.caching_allocator` (weights as loaded, the cuBLAS workspaces, master weights, optimizer
   state as the first step makes it);
 - the step's own: the traced step's allocations and frees replayed twice (`stream_slack`, kept in the
-  trace; composed for a deep model), the cache emptied in between where the loop calls
-  torch.cuda.empty_cache() after each step (`Setup.empty_cache_each_step`); under checkpointing the checkpointed step's own
-  (`checkpointed.checkpointed_slack`), with offloaded activations the plain step's scaled down with them;
+  trace; for a deep model from the stream `memory.deep_stream` builds), the cache emptied in between
+  where the loop calls torch.cuda.empty_cache() after each step (`Setup.empty_cache_each_step`); under
+  checkpointing the checkpointed step's own (`checkpointed.checkpointed_slack`), with offloaded
+  activations the plain step's scaled down with them;
 - the cuBLAS and cuBLASLt workspaces, which torch allocates through the caching allocator, one of each
   per (handle, stream): the main thread's handle (forward, optimizer step) and the autograd engine's
   device thread's (backward);
@@ -96,6 +97,12 @@ def stream_slack(stream: list[int], peak: int, empty_cache: bool = False) -> int
     again = [entry if entry >= 0 else entry - made for entry in stream]
     emptied = [EMPTY_CACHE] if empty_cache else []
     return max(0, replay(stream + emptied + between + again).peak_reserved - peak)
+
+
+def stream_slacks(stream: list[int], peak: int) -> dict[str, int]:
+    """`Trace.allocator_slack` and `allocator_slack_emptied` of a step's stream: `stream_slack` with the
+    cache kept between the two steps and emptied (lesson 1)."""
+    return {"allocator_slack": stream_slack(stream, peak), "allocator_slack_emptied": stream_slack(stream, peak, True)}
 
 
 def cublas_workspaces(gpu: GPU) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -17,7 +17,7 @@ from course_lib.memory.autocast import MetaAutocast
 from course_lib.memory.compose import composed_trace
 from course_lib.memory.meta_kernels import kernels_as_on
 from course_lib.memory.moe import refuse_lora_on_experts
-from course_lib.memory.reserved import AllocationStream, stream_slack
+from course_lib.memory.reserved import AllocationStream, stream_slacks
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
 from course_lib.models import ModelSpec, build_model, supported_attention, transformers_config
@@ -129,10 +129,11 @@ class Trace:
     autocast_cached: tuple[int, ...] = ()
     autocast_cached_outside: int = 0
     # what PyTorch's caching allocator reserves beyond the step's peak bytes, the traced step's
-    # allocations and frees run twice through course_lib.caching_allocator (memory.reserved);
-    # a composed trace takes the larger of its shallow copies' (memory.compose; not exact: compare=False)
+    # allocations and frees run twice through course_lib.caching_allocator (memory.reserved), the cache
+    # kept and emptied in between; a composed trace replays the deep stream memory.deep_stream builds, or
+    # takes the larger of its shallow copies' where it cannot (memory.compose; compare=False)
     allocator_slack: int = field(default=0, compare=False)
-    allocator_slack_emptied: int = field(default=0, compare=False)  # the same, torch.cuda.empty_cache() between
+    allocator_slack_emptied: int = field(default=0, compare=False)
     # the gradients live at each phase's peak, and per decoder layer those its own backward made before its peak
     forward_peak_grads: int = 0
     head_backward_peak_grads: int = 0
@@ -181,7 +182,7 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
 def cached_trace(key: tuple, make) -> Trace:
     """The trace for `key` from the disk cache (course_lib.cache), or `make()` kept there."""
     names = [f.name for f in fields(Trace) if f.name not in ("by_position", "stream", "stream_marks")]
-    return cached("trace", repr(key), make, lambda trace: {name: asdict(trace)[name] for name in names},
+    return cached("trace", repr(key), make, lambda trace: {name: getattr(trace, name) for name in names},
                   lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
 
 
@@ -345,8 +346,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         head_backward_peak_grads=at_peak.get("head_backward", 0),
         layer_backward_peak_grads=at_peak.get("layer_backward", 0),
         tail_backward_peak_grads=at_peak.get("tail_backward", 0), layer_peak_grads=own,
-        allocator_slack=stream_slack(tracer.stream, tracer.peak),
-        allocator_slack_emptied=stream_slack(tracer.stream, tracer.peak, empty_cache=True),
+        **stream_slacks(tracer.stream, tracer.peak),
         by_position=dict(tracer.position_peaks), stream=tuple(tracer.stream), stream_marks=tuple(tracer.stream_marks))
 
 
