@@ -30,6 +30,10 @@ from pathlib import Path
 from course_lib.errors import UserError
 from course_lib.measure import GiB, MiB
 from course_lib.memory import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
+from course_lib.memory.checkpointed import planned_stream
+from course_lib.memory.fsdp_wrap import after_wrap
+from course_lib.memory.setup import FSDP_WRAP_FROM
+from course_lib.models import model_spec
 
 DATA = Path(__file__).with_name("data") / "published_runs.csv"
 UNITS = {"bytes": 1, "MB": 10**6, "MiB": MiB, "GB": 10**9, "GiB": GiB}
@@ -85,6 +89,9 @@ def load_rows(path: Path = DATA) -> list[dict]:
             raise UserError(f"{where}: loop is one of {', '.join(LOOPS)}, not {row['loop']!r}")
         if row["fsdp_version"] not in ("", "1", "2") or bool(row["fsdp_version"]) != ("full-shard" in row["sharding"]):
             raise UserError(f"{where}: fsdp_version is 1 or 2 for a sharded row, empty for the others")
+        if row.get("fsdp_wrap_from") not in ("", *FSDP_WRAP_FROM):
+            raise UserError(f"{where}: fsdp_wrap_from is empty (a step from an empty cache) or one of "
+                            f"{', '.join(FSDP_WRAP_FROM)}, not {row.get('fsdp_wrap_from')!r}")
         if row["method"] != "full" and not row["lora_rank"].strip():
             raise UserError(f"{where}: a {row['method']} row needs its lora_rank")
     return rows
@@ -115,7 +122,8 @@ def setup_of(row: dict) -> Setup:
                  legacy_causal_lm_loss=row["legacy_causal_lm_loss"] == "True",
                  empty_cache_each_step=row["empty_cache_each_step"] == "True",
                  gpus=None if gpus == 1 else gpus, shard=SHARDINGS[row["sharding"].split("+")[0]],
-                 fsdp_version=int(row["fsdp_version"] or 2), fsdp_backward_prefetch=row["fsdp_backward_prefetch"] == "True")
+                 fsdp_version=int(row["fsdp_version"] or 2), fsdp_backward_prefetch=row["fsdp_backward_prefetch"] == "True",
+                 fsdp_wrap_from=row["fsdp_wrap_from"] or None)
 
 
 def card_of(row: dict) -> GPU | None:
@@ -161,7 +169,7 @@ def verdict(result: Result) -> str:
     """The fit verdict beside the published outcome: 'fit ok', 'OOM ok', or what went wrong."""
     if result.fits is None:
         return "-"
-    said = "fits" if result.fits else "OOM"
+    said = ("fits at the limit" if result.planned.oom_line.retries else "fits") if result.fits else "OOM"
     right = result.fits == (result.row["outcome"] == "fit")
     return f"{said} {'ok' if right else 'WRONG'}"
 
@@ -219,16 +227,34 @@ RESERVED_AFTER_WRAP = ("fq-qlora-b1-512", 3.72 * GiB)
 
 def loader_residue(results: list[Result]) -> str | None:
     """What Answer.AI's loader leaves reserved before the first step: the published reserved_after_model_wrap
-    beside the plan's weights and quant_state for the same row (no optimizer state exists yet)."""
+    beside the planner's prediction for the same row (`course_lib.memory.fsdp_wrap.after_wrap`)."""
     result = next((r for r in results if r.row["id"] == RESERVED_AFTER_WRAP[0] and r.planned), None)
     if result is None:
         return None
-    row = result.row
-    states = result.planned.bytes["weights"] + result.planned.bytes["quantization"]  # no optimizer state yet
-    published = RESERVED_AFTER_WRAP[1]
-    return (f"{row['id']}: reserved after FSDP's wrap, before the first step, {published / GiB:.2f} GiB published; "
-            f"the plan's weights and quant_state {states / GiB:.2f} GiB: the loader leaves {(published - states) / GiB:.2f} GiB "
-            "cached, which the step starts with (the planner predicts a step from an empty cache)")
+    row, published = result.row, RESERVED_AFTER_WRAP[1]
+    reserved, allocated = after_wrap(model_spec(row["model"]), setup_of(row))
+    return (f"{row['id']}: reserved after FSDP's wrap, before the first step: {published / GiB:.2f} GiB published, "
+            f"{reserved / GiB:.2f} GiB predicted ({100 * (reserved - published) / published:+.1f}%; "
+            f"{(reserved - allocated) / GiB:.2f} GiB of it cached)")
+
+
+def at_the_limit(results: list[Result]) -> list[str]:
+    """For each row predicted at the card's limit (`course_lib.memory.limit`): the caching allocator frees its
+    cache and retries where a cudaMalloc fails, so max_memory_reserved records the reserve at the first failure,
+    between the card less the context and the step's largest request, and the card less the context."""
+    lines = []
+    for result in results:
+        line = result.planned.oom_line if result.planned is not None else None
+        if line is None or not line.retries:
+            continue
+        top = line.capacity - line.context - line.managed
+        largest = max(planned_stream(model_spec(result.row["model"]), setup_of(result.row)))
+        lines.append(f"{result.row['id']}: at the card's limit: the replay's reserve passes what CUDA gives, the "
+                     f"allocations fit; the allocator frees its cache and retries, and max_memory_reserved stops where "
+                     f"the first cudaMalloc fails, between {(top - largest) / GiB:.2f} and {top / GiB:.2f} GiB (the "
+                     f"card {line.capacity / GiB:.2f} GiB less the context {line.context / GiB:.2f} GiB, less the "
+                     f"step's largest request, {largest / GiB:.2f} GiB); what else holds the card's memory decides")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(worst_errors(results, "- " if args.markdown else "  ")))
             if title.startswith("Hugging Face") and (residue := loader_residue(results)):
                 print(f"\n{'- ' if args.markdown else '  '}{residue}")
+            for line in at_the_limit(results):
+                print(f"{'- ' if args.markdown else '  '}{line}")
         else:
             print("\nWhy each is left out:" + ("\n" if args.markdown else ""))
             print("\n".join(f"{'- ' if args.markdown else '  '}{r['id']}: {r['exclusion']}" for r in members))

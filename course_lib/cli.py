@@ -106,6 +106,7 @@ def _plan(args: argparse.Namespace) -> int:
                                shard=args.shard, fsdp_wrapping=args.fsdp_wrapping,
                                fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_reshard_root=args.fsdp_reshard_root,
                                fsdp_version=args.fsdp_version, fsdp_backward_prefetch=args.fsdp_backward_prefetch,
+                               fsdp_wrap_from=args.fsdp_wrap_from,
                                optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
                                offload_activations=args.offload_activations)
     except PlanError as error:
@@ -223,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--fsdp-backward-prefetch", action="store_true", default=None,
                       help="--fsdp-version 1: BACKWARD_PRE, FullyShardedDataParallel's own default (accelerate's: "
                            "none)")
+    plan.add_argument("--fsdp-wrap-from", choices=("cpu", "cpu-broadcast"),
+                      help="FSDP1 (or --shard none: its NO_SHARD) wraps a model on the CPU, which leaves blocks "
+                           "cached before the first step; cpu-broadcast: with sync_module_states (accelerate's "
+                           "cpu_ram_efficient_loading). Changes the reserved memory")
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser

@@ -52,3 +52,23 @@ def test_a_composed_traces_slack_is_its_full_traces(name, options):
     assert composed is not None and composed.allocator_slack_emptied > 0
     assert (composed.allocator_slack, composed.allocator_slack_emptied) \
         == (full.allocator_slack, full.allocator_slack_emptied)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("qwen2.5-0.5b", dict(precision="bf16", lora_rank=8, seq=128)),
+    ("llama-3.2-1b", dict(precision="bf16", quant="nf4", lora_rank=8, loop="outputs-until-step", seq=128,
+                          legacy_causal_lm_loss=True)),
+])
+def test_the_checkpointed_deep_stream_is_the_full_checkpointed_traces(name, options):
+    """Every layer checkpointed, the deep model's stream built from the 3- and 4-layer copies is the stream of
+    the checkpointed step traced on every layer, entry for entry; another plan is traced on the 3-layer copy."""
+    from course_lib.memory.checkpointed import _traced, checkpointed_stream
+
+    spec = model_spec(name)
+    setup = memory.Setup(checkpointing="every-layer", **options).validate()
+    full = _traced(spec, spec, spec.n_layers, setup, "cuda")
+    stream, peak = checkpointed_stream(spec, setup)
+    small = _traced(spec, shallow_spec(spec, 3), 3, setup, "cuda")
+    assert stream == list(full.stream) and len(stream) > len(small.stream) and peak == full.peak
+    other = replace(setup, checkpointing="every-2")
+    assert checkpointed_stream(spec, other)[0] == list(_traced(spec, shallow_spec(spec, 3), 3, other, "cuda").stream)

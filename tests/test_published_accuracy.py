@@ -58,7 +58,8 @@ def test_each_rows_facts_agree_with_its_columns():
 
 
 @pytest.mark.parametrize("field, value, message", [("unit", "GB/s", "unknown unit"), ("statistic", "peak", "unknown statistic"),
-                                                   ("facts", "", "empty facts"), ("value", "", "a fit has")])
+                                                   ("facts", "", "empty facts"), ("value", "", "a fit has"),
+                                                   ("fsdp_wrap_from", "gpu", "fsdp_wrap_from is empty")])
 def test_a_bad_row_is_one_line_naming_it(tmp_path, field, value, message):
     rows = accuracy.load_rows()
     rows[3][field] = value
@@ -91,7 +92,8 @@ def test_the_script_plans_rows_fsdp_qlora_included_reports_a_left_out_one_and_th
     assert f"{100 * (predicted - published) / published:+.1f}%" in line
     # hub-llama2-7b-lora's tokens are an upper bound (max length 512): counted apart from the exact rows
     assert "reserved: worst" in out and "tokens an upper bound: 0 of 1 rows" in out
-    assert "fq-qlora-b1-512: reserved after FSDP's wrap, before the first step, 3.72 GiB published" in out
+    wrap = next(text for text in out.splitlines() if "reserved after FSDP's wrap" in text)
+    assert "3.72 GiB published" in wrap and "GiB predicted" in wrap
 
 
 def test_each_statistic_is_compared_with_the_plans_own_figure_for_it():
@@ -113,6 +115,8 @@ def test_a_row_maps_to_the_setup_the_cli_would_build():
     # step, transformers of early 2024
     assert (fsdp.fsdp_version, fsdp.fsdp_backward_prefetch, fsdp.loop, fsdp.legacy_causal_lm_loss) == \
         (1, True, "outputs-until-step", True)
+    # its loader: the model on the CPU, wrapped with sync_module_states; its 4-bit base double-quantized
+    assert fsdp.fsdp_wrap_from == "cpu-broadcast" and accuracy.setup_of(rows["fq-qlora-b1-512"]).quant == "nf4-dq"
     metamath = accuracy.setup_of(rows["mm-lora-r32-qv"])
     assert (metamath.loop, metamath.legacy_causal_lm_loss, metamath.gpus) == ("keep-outputs", False, None)
     amp = accuracy.setup_of(rows["pf-lora-70b-8xh100"])
@@ -185,7 +189,8 @@ def test_the_cli_builds_an_answerai_rows_setup_from_its_options(capsys):
             "--lora-dropout", row["lora_dropout"], "--precision", row["dtype"], "--batch", row["micro_batch"],
             "--seq", row["seq"], "--checkpointing", row["checkpointing"], "--no-autocast-adapter-dtype",
             "--loop", row["loop"], "--legacy-causal-lm-loss", "--gpus", row["gpus"], "--shard", "zero3",
-            "--fsdp-version", row["fsdp_version"], "--fsdp-backward-prefetch", "--gpu", row["gpu"], "--json"]
+            "--fsdp-version", row["fsdp_version"], "--fsdp-backward-prefetch", "--fsdp-wrap-from", row["fsdp_wrap_from"],
+            "--gpu", row["gpu"], "--json"]
     assert cli.main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["bytes"] == dict(expected.bytes)

@@ -13,12 +13,13 @@ import torch
 from course_lib.cache import cached_answer
 from course_lib.checkpointing import apply_plan, named_plan
 from course_lib.memory.autocast import MetaAutocast
-from course_lib.memory.compose import shallow_depth, shallow_spec
+from course_lib.memory.compose import shallow_depth, shallow_spec, step_stream
+from course_lib.memory.deep_stream import deep_stream, live_peak
 from course_lib.memory.meta_kernels import kernels_as_on
 from course_lib.memory.reserved import stream_slack
 from course_lib.memory.setup import PlanError, Setup
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
-from course_lib.memory.trace import _build_traced_model, _MetaTracer, _trace_key
+from course_lib.memory.trace import _build_traced_model, _decoder_layers, _MetaTracer, _trace, _trace_key
 from course_lib.models import ModelSpec
 
 _SLACKS: dict[tuple, int] = {}  # checkpointed_slack's, by trace key and plan
@@ -28,21 +29,46 @@ def checkpointed_slack(spec: ModelSpec, setup: Setup, target: str = "cuda") -> i
     """What the caching allocator reserves beyond the peak for the step checkpointed as `setup.checkpointing`
     plans it (lesson 3's plan applied by `course_lib.checkpointing.apply_plan`), its allocations and frees
     replayed twice as `stream_slack` replays the plain step's (`Trace.allocator_slack`; lesson 1, "the
-    planner"), the cache emptied in between under `setup.empty_cache_each_step`. Traced on a copy of three
-    periods of layers (`compose.shallow_depth`; the whole model when it is shallow or its layers do not
-    repeat): the slack comes from the output layer and the loss, whose
-    blocks checkpointing leaves as they are (the same within 5% for 3 and 4 layers of Llama-2-7B), not from
-    the layers' activations that it frees. PlanError, one line, for a model the plan cannot be applied to.
+    planner"), the cache emptied in between under `setup.empty_cache_each_step`, from `checkpointed_stream`.
+    PlanError, one line, for a model the plan cannot be applied to.
     Predicted: CPU has no caching allocator."""
     key = (*_trace_key(spec, setup, target), "checkpointed", setup.checkpointing, setup.empty_cache_each_step)
     if key not in _SLACKS:
-        _SLACKS[key] = cached_answer("slack", repr(key), lambda: _checkpointed_slack(spec, setup, target))
+        _SLACKS[key] = cached_answer("slack", repr(key), lambda: stream_slack(
+            *checkpointed_stream(spec, setup, target), setup.empty_cache_each_step))
     return _SLACKS[key]
 
 
-def _checkpointed_slack(spec: ModelSpec, setup: Setup, target: str) -> int:
-    depth = shallow_depth(spec) or spec.n_layers
-    copy_spec = spec if depth == spec.n_layers else shallow_spec(spec, depth)
+def planned_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> list[int]:
+    """The allocation stream of the step as planned: the checkpointed step's under a checkpointing plan, else
+    the plain step's (`compose.step_stream`)."""
+    if setup.checkpointing != "none":
+        return checkpointed_stream(spec, setup, target)[0]
+    return step_stream(spec, setup, target, _trace)
+
+
+def checkpointed_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> tuple[list[int], int]:
+    """The allocation stream of the checkpointed step and its most live bytes (the gradients need no count).
+    Every layer checkpointed, the deep model's is built (`memory.deep_stream`) from copies of three and four
+    periods of layers (`compose.shallow_depth`); other plans are traced on the three-period copy (their
+    segments depend on the depth), as is a model whose copies' streams do not expand; a shallow model, or one
+    whose layers do not repeat, in full."""
+    depth = shallow_depth(spec)
+    if depth is None:
+        traced = _traced(spec, spec, spec.n_layers, setup, target)
+        return traced.stream, traced.peak
+    small = _traced(spec, shallow_spec(spec, depth), depth, setup, target)
+    if setup.checkpointing == "every-layer":
+        period = depth // 3
+        deep = deep_stream(small, _traced(spec, shallow_spec(spec, 4 * period), 4 * period, setup, target),
+                           spec.n_layers, period)
+        if deep is not None:
+            return deep, live_peak(deep)
+    return small.stream, small.peak
+
+
+def _traced(spec: ModelSpec, copy_spec: ModelSpec, depth: int, setup: Setup, target: str) -> _MetaTracer:
+    """The tracer after the checkpointed step of `copy_spec` (`depth` layers of `spec`)."""
     model = _build_traced_model(copy_spec, setup)
     tracer = _MetaTracer()
     # the replay in backward runs under autocast too, as torch's checkpoint restores torch.autocast for it
@@ -54,6 +80,7 @@ def _checkpointed_slack(spec: ModelSpec, setup: Setup, target: str) -> int:
         hook = step_in_backward_hook(tracer, model, copy_spec, setup, target == "cuda")
         for param in (p for p in model.parameters() if p.requires_grad):
             param.register_post_accumulate_grad_hook(hook)
+    handles = _mark_positions(tracer, _decoder_layers(model, depth))
     try:
         apply_plan(model, named_plan(depth, setup.checkpointing), recompute_context=autocast and (lambda: autocast))
         with warnings.catch_warnings(), kernels_as_on(target, autocast), tracer:
@@ -62,11 +89,51 @@ def _checkpointed_slack(spec: ModelSpec, setup: Setup, target: str) -> int:
                 loss, outputs = traced_loss(model, ids, setup, autocast)
             if setup.loop == "trainer":
                 del outputs
+            tracer.set_phase("head_backward")
             loss.backward()
             del loss
     except Exception as error:  # an architecture the plan cannot be applied to on the meta device: say which
         reason = " ".join(str(error).split())[:300]
         raise PlanError(f"cannot trace {spec.name}'s step checkpointed as {setup.checkpointing!r} on the meta device "
                         f"({type(error).__name__}: {reason}); plan without --gpu for the allocated bytes") from None
-    # the stream and its peak: gradients need no count
-    return stream_slack(tracer.stream, tracer.peak, setup.empty_cache_each_step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tracer
+
+
+def _mark_positions(tracer: _MetaTracer, layers) -> list:
+    """Hooks that mark the tracer's stream by (phase, layer) as `trace._trace` does, for `memory.deep_stream`:
+    a layer's forward at its index, its backward from its output's gradient on; the replay of a checkpointed
+    layer in backward stays in the backward's mark (the hooks skip it)."""
+    last = len(layers) - 1
+
+    def starts(phase: str | None, position):
+        def hook(grad):
+            tracer.set_phase(phase or tracer.phase, position)
+        return hook
+
+    def pre_hook(index):
+        def hook(module, args, kwargs):
+            if torch._C._current_graph_task_id() != -1:  # the replay in backward
+                return
+            tracer.set_phase(tracer.phase, index)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if index == 0 and hidden.requires_grad:
+                hidden.register_hook(starts("tail_backward", "pre"))
+        return hook
+
+    def post_hook(index):
+        def hook(module, args, result):
+            if torch._C._current_graph_task_id() != -1:
+                return
+            hidden = result[0] if isinstance(result, (tuple, list)) else result
+            if index == last:
+                tracer.set_phase(tracer.phase, "post")
+            if hidden.requires_grad:
+                hidden.register_hook(starts("layer_backward" if index == last else None, index))
+        return hook
+
+    return [handle for index, layer in enumerate(layers)
+            for handle in (layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True),
+                           layer.register_forward_hook(post_hook(index)))]

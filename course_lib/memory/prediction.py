@@ -12,7 +12,9 @@ from course_lib.measure import GiB, format_bytes
 from course_lib.memory.activations import step_phases
 from course_lib.memory.checkpointed import checkpointed_slack
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU
-from course_lib.memory.reserved import Reserved, reserved_prediction
+from course_lib.memory.fsdp_wrap import after_wrap, wrap_extra
+from course_lib.memory.limit import at_the_limit
+from course_lib.memory.reserved import Reserved, reserved_prediction, state_blocks
 from course_lib.memory.setup import CATEGORIES, PlanError, Setup
 from course_lib.memory.sharded import sharded_values
 from course_lib.memory.states import model_states, target_match
@@ -279,7 +281,16 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
                      f"{_phase_line(phases)}")
     checkpointed = checkpointed_slack(spec, setup) if cuda and trace is not None and setup.checkpointing != "none" \
         else None
-    oom_line = reserved_prediction(spec, setup, states, values, trace, card, detail, checkpointed) if cuda else None
+    wrap = wrap_extra(spec, setup, state_blocks(spec, setup, states, values)) \
+        if cuda and spec is not None and setup.fsdp_wrap_from is not None else 0
+    oom_line = at_the_limit(reserved_prediction(spec, setup, states, values, trace, card, detail, checkpointed, wrap),
+                            spec if trace is not None else None, setup) if cuda else None
+    if setup.fsdp_wrap_from is not None and spec is not None:
+        reserved, allocated = after_wrap(spec, setup)
+        notes.append(f"FSDP1's wrap from the CPU ({setup.fsdp_wrap_from}) leaves {format_bytes(reserved)} reserved "
+                     f"before the first step, {format_bytes(reserved - allocated)} of it cached"
+                     + (f": the step's reserve {'+' if wrap >= 0 else '-'}{format_bytes(abs(wrap))} for it" if cuda else
+                        "; it changes only the reserved memory: give --gpu to see it"))
     if setup.empty_cache_each_step:
         notes.append("torch.cuda.empty_cache() after each step: the segments nothing lives in go back to the driver, "
                      "so each step cuts its blocks from fresh ones; "

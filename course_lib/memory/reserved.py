@@ -91,12 +91,16 @@ def stream_slack(stream: list[int], peak: int, empty_cache: bool = False) -> int
     (lesson 1). `empty_cache`: the loop calls torch.cuda.empty_cache() after each step (peft's
     MetaMathQA run.py), with the gradients still alive, so the second step finds only the segments of
     what lives on."""
+    return max(0, replay(two_steps(stream, empty_cache)).peak_reserved - peak)
+
+
+def two_steps(stream: list[int], empty_cache: bool = False) -> list[int | None]:
+    """The step's stream run twice as `stream_slack` replays it, ready for `caching_allocator.replay`."""
     made = sum(1 for entry in stream if entry >= 0)
     freed = {~entry for entry in stream if entry < 0}
     between = [~i for i in range(made) if i not in freed]
     again = [entry if entry >= 0 else entry - made for entry in stream]
-    emptied = [EMPTY_CACHE] if empty_cache else []
-    return max(0, replay(stream + emptied + between + again).peak_reserved - peak)
+    return list(stream) + ([EMPTY_CACHE] if empty_cache else []) + between + again
 
 
 def stream_slacks(stream: list[int], peak: int) -> dict[str, int]:
@@ -137,6 +141,8 @@ class Reserved:
     managed: int
     capacity: int
     capacity_sourced: bool
+    held: int = 0  # the allocations, the model states' segments and the workspaces: what no release gives back
+    retries: bool = False  # fits only as the allocator frees its cache and retries (`limit.at_the_limit`)
 
     @property
     def nvidia_smi(self) -> int:
@@ -156,8 +162,11 @@ class Reserved:
     def verdict(self, gpu: GPU) -> str:
         """Fits or not against CUDA's capacity, and by how much."""
         seen = "CUDA's" if self.capacity_sourced else "nvidia-smi's"  # what CUDA reports, or nvidia-smi's total
-        margin = self.capacity - self.nvidia_smi
         head = f"{gpu.name} ({seen} {format_bytes(self.capacity)})"
+        if self.retries:
+            return (f"fits on {head} at its limit: the caching allocator frees its cache and retries (slower steps), "
+                    f"{format_bytes(self.capacity - self.held - self.context - self.managed)} above what it holds")
+        margin = self.capacity - self.nvidia_smi
         return (f"fits on {head}: {format_bytes(margin)} to spare" if margin >= 0
                 else f"does not fit on {head}: {format_bytes(-margin)} over")
 
@@ -165,30 +174,48 @@ class Reserved:
         return {"allocated_bytes": self.allocated, "reserved_bytes": self.reserved, "workspace_bytes": self.workspaces,
                 "context_bytes": self.context, "managed_bytes": self.managed, "nvidia_smi_bytes": self.nvidia_smi,
                 "cuda_capacity_bytes": self.capacity, "cuda_capacity_sourced": self.capacity_sourced,
-                "fits": self.fits}
+                "fits": self.fits, "allocator_retries": self.retries}
+
+
+def _numels(spec, states) -> list[int]:
+    return [p.numel for p in spec.params] if spec is not None else [states.trainable + states.frozen]
+
+
+def _trained_shapes(spec, states) -> list[tuple[int, ...]]:
+    return [tuple(shape) for shape in states.trainable_shapes] or [(n,) for n in _numels(spec, states)]
+
+
+def state_blocks(spec, setup, states, values: dict[str, int]) -> list[int]:
+    """The optimizer state's blocks in the caching allocator: the state tensors of each trained tensor
+    (32-bit for the Trainer's embeddings under 8-bit), the plan's optimizer_state bytes split among them;
+    none for a paged optimizer (managed memory)."""
+    if setup.optimizer.startswith("paged"):
+        return []
+    shapes = _trained_shapes(spec, states)
+    full_state = states.full_state or (False,) * len(shapes)
+    state = [size for shape, full in zip(shapes, full_state)
+             for size in state_tensor_bytes(setup.optimizer, shape, states.state_itemsize, full)]
+    return _split(values["optimizer_state"], state)
 
 
 def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu: GPU,
-                        detail: dict | None = None, checkpointed: int | None = None) -> Reserved:
+                        detail: dict | None = None, checkpointed: int | None = None, wrap: int = 0) -> Reserved:
     """The OOM line of one planned step on `gpu` (lesson 1): `values` are the plan's bytes by category
     (one GPU's share under --gpus), `states` its model states, `trace` its meta-device trace (None for a
     bare parameter count: then the step adds no slack), `detail` the plan's (FSDP1's stream pool),
     `checkpointed` the slack of the step as its checkpointing plan runs it (`checkpointed.checkpointed_slack`),
-    which replaces the plain step's."""
+    which replaces the plain step's, `wrap` what FSDP1's wrap from the CPU leaves cached adds to it
+    (`fsdp_wrap.wrap_extra`)."""
     allocated = values["total"] - values["overhead"]
     paged = setup.optimizer.startswith("paged")
     managed = values["optimizer_state"] if paged else 0  # cudaMallocManaged: outside the caching allocator
-    numels = [p.numel for p in spec.params] if spec is not None else [states.trainable + states.frozen]
-    shapes = [tuple(shape) for shape in states.trainable_shapes] or [(n,) for n in numels]
-    trained = [max(1, math.prod(shape)) for shape in shapes]
-    # the optimizer's state tensors of each trained tensor (32-bit for the Trainer's embeddings under 8-bit)
-    full_state = states.full_state or (False,) * len(shapes)
-    state = [size for shape, full in zip(shapes, full_state)
-             for size in state_tensor_bytes(setup.optimizer, shape, states.state_itemsize, full)]
+    numels = _numels(spec, states)
+    trained = [max(1, math.prod(shape)) for shape in _trained_shapes(spec, states)]
     workspaces = cublas_workspaces(gpu)
     sizes = (_split(values["weights"], numels) + workspaces + _split(values["quantization"], numels)
-             + _split(values["master_weights"], trained) + ([] if paged else _split(values["optimizer_state"], state)))
-    slack = _states_slack(tuple(sizes)) + sum(workspaces)
+             + _split(values["master_weights"], trained) + state_blocks(spec, setup, states, values))
+    held = allocated - managed + _states_slack(tuple(sizes)) + sum(workspaces)
+    slack = wrap
     if checkpointed is not None:
         slack += checkpointed
     elif trace is not None:  # the plain step's; with offloaded activations scaled down with what stays on the GPU
@@ -198,6 +225,8 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
         slack += plain if peak <= step else plain * step // max(1, peak)
     slack += detail.get("stream_pools_extra", 0) if detail else 0  # FSDP1's unshard stream's pool
     capacity = gpu.cuda_memory_bytes or gpu.memory_bytes
-    return Reserved(allocated, allocated - managed + slack, sum(workspaces), values["overhead"] or CUDA_CONTEXT_BYTES,
-                    managed, capacity, gpu.cuda_memory_bytes is not None)
+    context = values["overhead"] or CUDA_CONTEXT_BYTES
+    reserved = held + max(0, slack)  # the wrap's cache can hold the step's blocks: never below what is held
+    return Reserved(allocated, reserved, sum(workspaces), context, managed, capacity, gpu.cuda_memory_bytes is not None,
+                    held)
 

@@ -17,7 +17,8 @@ QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
 LOOPS = ("trainer", "keep-outputs", "outputs-until-step")
 SHARDS = ("none", "zero1", "zero2", "zero3")  # lesson 6, `course_lib.memory.sharded`
-FSDP_WRAPPINGS = ("blocks", "torchtitan")  # lesson 6, `course_lib.sharding.engines.fsdp_units`
+FSDP_WRAPPINGS = ("blocks", "torchtitan")
+FSDP_WRAP_FROM = ("cpu", "cpu-broadcast")  # Setup.fsdp_wrap_from, `course_lib.memory.fsdp_wrap`  # lesson 6, `course_lib.sharding.engines.fsdp_units`
 FSDP_VERSIONS = (1, 2)  # accelerate's FSDP1 (FullyShardedDataParallel) and FSDP2 (fully_shard)
 CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
               "optimizer_temporaries", "overhead", "total")
@@ -84,6 +85,11 @@ class Setup:
     peft's fsdp_auto_wrap_policy; `tests/test_fsdp1.py` measures it), with FSDP2's other options at theirs;
     fsdp_backward_prefetch (FSDP1 only): True is FullyShardedDataParallel's own default BACKWARD_PRE (the
     next unit gathered before the running one's gradients, as FSDP2 always does), False accelerate's.
+    fsdp_wrap_from (FSDP1, or --shard none for FSDP1's NO_SHARD): None plans the step from an empty cache;
+    "cpu": FullyShardedDataParallel moves a model on the CPU to the GPU unit by unit, flattens and shards it,
+    and leaves blocks cached (`course_lib.memory.fsdp_wrap`); "cpu-broadcast": the same with
+    sync_module_states (accelerate's cpu_ram_efficient_loading, Answer.AI's low_memory). It changes only the
+    reserved memory on a GPU.
     Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
     chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
     moves what autograd saves to host memory (torch's save_on_cpu).
@@ -113,6 +119,7 @@ class Setup:
     fsdp_reshard_root: bool = True
     fsdp_version: int = 2
     fsdp_backward_prefetch: bool = False
+    fsdp_wrap_from: str | None = None
     optimizer_in_backward: bool = False
     chunked_loss: int | None = None
     offload_activations: bool = False
@@ -175,6 +182,7 @@ class Setup:
             raise PlanError(f"--precision {self.precision} (Megatron Core's main gradients) is planned on one GPU "
                             "with the step after backward: no --gpus, no optimizer_in_backward")
         _validate_sharding(self)
+        _validate_wrap(self)
         try:
             checkpointing.named_plan(4, self.checkpointing)
         except ValueError as error:
@@ -240,6 +248,16 @@ def _validate_sharding(setup: Setup) -> None:
     if setup.fsdp_version == 1 and setup.precision.startswith("mixed"):
         raise PlanError(f"--fsdp-version 1 with --precision {setup.precision}: FSDP1's MixedPrecision (a 16-bit copy "
                         "of each shard before its all-gather) is not modelled; plan fp32, bf16 or fp16, or FSDP2")
+
+
+def _validate_wrap(setup: Setup) -> None:
+    """PlanError, one line, for a wrap FSDP1 does not make (`fsdp_wrap_from`)."""
+    if setup.fsdp_wrap_from is None:
+        return
+    validate.choice("fsdp_wrap_from", setup.fsdp_wrap_from, FSDP_WRAP_FROM, error=PlanError)
+    if (setup.gpus or 1) < 2 or setup.shard == "zero1" or (setup.shard != "none" and setup.fsdp_version != 1):
+        raise PlanError(f"--fsdp-wrap-from {setup.fsdp_wrap_from} is FSDP1's wrap: add --gpus N (N >= 2) with "
+                        "--fsdp-version 1 --shard zero2 or zero3, or --shard none for its NO_SHARD")
 
 
 def _validate_toolbox(setup: Setup) -> None:
