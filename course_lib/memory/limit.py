@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from course_lib.cache import cached_answer
 from course_lib.caching_allocator import AllocatorOutOfMemory, replay
 from course_lib.memory.checkpointed import planned_stream
 from course_lib.memory.deep_stream import live_peak
 from course_lib.memory.reserved import Reserved, two_steps
 from course_lib.memory.setup import Setup
+from course_lib.memory.trace import _trace_key
 from course_lib.models import ModelSpec
 
 
@@ -28,10 +30,18 @@ def at_the_limit(line: Reserved, spec: ModelSpec | None, setup: Setup, target: s
     at the card's memory, or the line as it was (does not fit)."""
     if line.fits or spec is None or line.held + line.context + line.managed > line.capacity:
         return line
-    stream = planned_stream(spec, setup, target)
-    room = line.capacity - line.context - line.managed - (line.held - live_peak(stream))
-    try:
-        replay(two_steps(stream, setup.empty_cache_each_step), capacity=room)
-    except AllocatorOutOfMemory:
+    room = line.capacity - line.context - line.managed - line.held  # beside what the plan holds
+    key = (*_trace_key(spec, setup, target), "limit", setup.checkpointing, setup.empty_cache_each_step, room)
+    if not cached_answer("limit", repr(key), lambda: _runs(planned_stream(spec, setup, target), room, setup)):
         return line
     return replace(line, reserved=line.capacity - line.context - line.managed, retries=True)
+
+
+def _runs(stream: list[int], room: int, setup: Setup) -> bool:
+    """Whether the step's stream, replayed twice, finds its blocks in `room` bytes beside its own live
+    peak (which the plan's held bytes already count), the cache released and retried where it runs out."""
+    try:
+        replay(two_steps(stream, setup.empty_cache_each_step), capacity=room + live_peak(stream))
+    except AllocatorOutOfMemory:
+        return False
+    return True
