@@ -105,6 +105,21 @@ def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
     assert memory.plan("llama-3.2-1b", setup).bytes == first.bytes
 
 
+def test_a_refusal_kept_on_disk_is_not_traced_again(monkeypatch, tmp_path):
+    """A setup the trace refuses (LoRA on Mixtral's 3-D experts) is refused again from the disk cache, the
+    same line, without building the model: "what makes it fit" tries it for every plan of the model."""
+    monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(memory_trace, "_TRACES", {})
+    setup = memory.Setup(precision="bf16", lora_rank=16, seq=64)
+    with pytest.raises(memory.PlanError) as first:
+        memory.plan("mixtral-8x7b", setup)
+    monkeypatch.setattr(memory_trace, "_TRACES", {})
+    monkeypatch.setattr(memory_trace, "_build_traced_model", lambda *args: pytest.fail("built again"))
+    with pytest.raises(memory.PlanError) as again:
+        memory.plan("mixtral-8x7b", setup)
+    assert str(again.value) == str(first.value) and "experts is not modelled" in str(first.value)
+
+
 def test_a_parameter_list_kept_on_disk_is_the_parameter_list(monkeypatch, tmp_path):
     from course_lib import models
 

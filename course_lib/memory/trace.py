@@ -174,16 +174,28 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     """
     key = _trace_key(spec, setup, target)
     if key not in _TRACES:
-        _TRACES[key] = cached_trace(key, lambda: composed_trace(spec, setup, target, _trace)
-                                    or _trace(spec, setup, target))
+        _TRACES[key] = cached_trace(key, lambda: _or_refusal(lambda: composed_trace(spec, setup, target, _trace)
+                                                             or _trace(spec, setup, target)))
+    if isinstance(_TRACES[key], str):  # the setup's refusal, kept like a trace: the model is not built again
+        raise PlanError(_TRACES[key])
     return _TRACES[key]
 
 
-def cached_trace(key: tuple, make) -> Trace:
-    """The trace for `key` from the disk cache (course_lib.cache), or `make()` kept there."""
+def _or_refusal(make) -> Trace | str:
+    try:
+        return make()
+    except PlanError as error:
+        return str(error)
+
+
+def cached_trace(key: tuple, make) -> Trace | str:
+    """The trace for `key` from the disk cache (course_lib.cache), or `make()` kept there; a refusal (the
+    PlanError's line, a str) is kept the same way."""
     names = [f.name for f in fields(Trace) if f.name not in ("by_position", "stream", "stream_marks")]
-    return cached("trace", repr(key), make, lambda trace: {name: getattr(trace, name) for name in names},
-                  lambda data: Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
+    return cached("trace", repr(key), make,
+                  lambda trace: {"refused": trace} if isinstance(trace, str) else {n: getattr(trace, n) for n in names},
+                  lambda data: data["refused"] if "refused" in data else
+                  Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
 
 
 def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
