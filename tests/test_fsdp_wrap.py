@@ -36,6 +36,13 @@ def test_the_units_are_the_adapters_then_each_layer_then_the_root():
     assert units[-1] == [2 * i.numel for i in spec.params if i.layer is None]  # embeddings, norm, lm_head in bf16
 
 
+def test_the_quant_state_tensors_are_nf4s_metadata():
+    spec, setup = model_spec("llama-2-7b"), ANSWER_AI.validate()
+    quantized = [i for i in spec.params if i.module == "linear" and not i.is_lm_head and i.name.endswith(".weight")]
+    assert sum(fsdp_wrap.quant_state_sizes(spec, setup)) == sum(nf4_bytes(i.numel, True)[1] for i in quantized)
+    assert fsdp_wrap.quant_state_sizes(spec, replace(setup, quant="none", lora_rank=64)) == []
+
+
 def test_buckets_close_once_they_hold_250_mib():
     assert fsdp_wrap._buckets([100 * MiB, 100 * MiB, 100 * MiB, 10 * MiB]) == [[0, 1, 2], [3]]
     assert fsdp_wrap._buckets([250 * MiB, MiB, 250 * MiB]) == [[0], [1, 2]]

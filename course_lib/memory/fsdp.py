@@ -129,17 +129,18 @@ def unit_sizes(spec: ModelSpec, setup: Setup, values: dict) -> tuple[Callable, C
         per_param = (values["weights"] + values["quantization"]) / spec.n_params
         grad_ratio = values["gradients"] / max(values["weights"] + values["quantization"], 1)
         return (lambda info: info.numel * per_param), (lambda info: info.numel * per_param * grad_ratio)
-    base = 4 if setup.prepare_kbit else itemsize(setup.weight_dtype)
-
     def adapters(info: ParamInfo) -> int:
         return setup.lora_rank * sum(info.shape) if target_match(info, setup.lora_targets) else 0
 
-    def stored(info: ParamInfo) -> int:
-        if setup.quant != "none" and info.module == "linear" and not info.is_lm_head and info.name.endswith(".weight"):
-            return nf4_bytes(info.numel, setup.quant == "nf4-dq")[0]
-        return info.numel * base
+    return (lambda info: stored_bytes(info, setup) + 4 * adapters(info)), (lambda info: 4 * adapters(info))
 
-    return (lambda info: stored(info) + 4 * adapters(info)), (lambda info: 4 * adapters(info))
+
+def stored_bytes(info: ParamInfo, setup: Setup) -> int:
+    """A frozen base parameter's bytes as stored on the GPU under LoRA: a 4-bit linear weight packed, the
+    rest in the weights' dtype (fp32 after prepare_model_for_kbit_training)."""
+    if setup.quant != "none" and info.module == "linear" and not info.is_lm_head and info.name.endswith(".weight"):
+        return nf4_bytes(info.numel, setup.quant == "nf4-dq")[0]
+    return info.numel * (4 if setup.prepare_kbit else itemsize(setup.weight_dtype))
 
 
 def unshard_pool_extra(totals: dict[str, float], gathered: dict[str, float]) -> float:

@@ -29,11 +29,12 @@ import math
 from course_lib.cache import cached_answer
 from course_lib.caching_allocator import replay
 from course_lib.memory.checkpointed import planned_stream
+from course_lib.memory.fsdp import stored_bytes
 from course_lib.memory.reserved import two_steps
 from course_lib.memory.setup import Setup, itemsize
-from course_lib.memory.states import nf4_bytes, target_match
+from course_lib.memory.states import target_match
 from course_lib.memory.trace import _trace_key
-from course_lib.models import ModelSpec, ParamInfo
+from course_lib.models import ModelSpec
 
 PARAM_BROADCAST_BUCKET_SIZE = 250 * 1024 * 1024  # torch.distributed.fsdp._init_utils
 BROADCASTS_IN_FLIGHT = 2  # torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced: max_in_flight
@@ -60,13 +61,6 @@ def wrap_units(spec: ModelSpec, setup: Setup) -> list[list[int]]:
     layer each LoRA adapter (peft's fsdp_auto_wrap_policy makes every trainable leaf a unit), then the
     layer; last the root with everything outside the layers."""
     adapter = 4 if setup.autocast_adapter_dtype else itemsize(setup.weight_dtype)
-    base = itemsize(setup.weight_dtype)
-
-    def stored(info: ParamInfo) -> int:
-        if setup.quant != "none" and info.module == "linear" and not info.is_lm_head and info.name.endswith(".weight"):
-            return nf4_bytes(info.numel, setup.quant == "nf4-dq")[0]
-        return info.numel * base
-
     units: list[list[int]] = []
     for layer in range(spec.n_layers or 0):
         params = [info for info in spec.params if info.layer == layer]
@@ -74,8 +68,8 @@ def wrap_units(spec: ModelSpec, setup: Setup) -> list[list[int]]:
             if setup.lora_rank and target_match(info, setup.lora_targets):
                 rows, cols = info.shape
                 units += [[setup.lora_rank * cols * adapter], [rows * setup.lora_rank * adapter]]
-        units.append([stored(info) for info in params])
-    units.append([stored(info) for info in spec.params if info.layer is None])
+        units.append([stored_bytes(info, setup) for info in params])
+    units.append([stored_bytes(info, setup) for info in spec.params if info.layer is None])
     return [unit for unit in units if unit]
 
 
