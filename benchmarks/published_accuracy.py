@@ -238,7 +238,7 @@ def loader_residue(results: list[Result]) -> str | None:
             f"{(reserved - allocated) / GiB:.2f} GiB of it cached)")
 
 
-def at_the_limit(results: list[Result]) -> list[str]:
+def limit_lines(results: list[Result]) -> list[str]:
     """For each row predicted at the card's limit (`course_lib.memory.limit`): the caching allocator frees its
     cache and retries where a cudaMalloc fails, so max_memory_reserved records the reserve at the first failure,
     between the card less the context and the step's largest request, and the card less the context."""
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(worst_errors(results, "- " if args.markdown else "  ")))
             if title.startswith("Hugging Face") and (residue := loader_residue(results)):
                 print(f"\n{'- ' if args.markdown else '  '}{residue}")
-            for line in at_the_limit(results):
+            for line in limit_lines(results):
                 print(f"{'- ' if args.markdown else '  '}{line}")
         else:
             print("\nWhy each is left out:" + ("\n" if args.markdown else ""))

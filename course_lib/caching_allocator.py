@@ -230,3 +230,14 @@ def replay(sizes: list[int | None], capacity: int | None = None) -> AllocatorSta
         else:
             allocator.free(handles[~entry])
     return allocator.stats()
+
+
+def concatenated(*streams: list[int | None]) -> list[int | None]:
+    """`replay` streams one after another on one allocator: each one's frees shifted past the allocations
+    made before it (lesson 1, "the planner")."""
+    out: list[int | None] = []
+    made = 0
+    for stream in streams:
+        out += [entry if entry is EMPTY_CACHE or entry >= 0 else entry - made for entry in stream]
+        made += sum(1 for entry in stream if entry is not EMPTY_CACHE and entry >= 0)
+    return out

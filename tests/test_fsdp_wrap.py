@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from course_lib import cli, memory
-from course_lib.caching_allocator import MiB, replay
+from course_lib.caching_allocator import EMPTY_CACHE, MiB, concatenated, replay
 from course_lib.measure import GiB
 from course_lib.memory import fsdp_wrap
 from course_lib.memory.setup import PlanError
@@ -86,7 +86,8 @@ def test_the_residue_counts_only_what_the_steps_do_not_reuse():
 
 
 def test_concatenated_streams_free_their_own_allocations():
-    assert fsdp_wrap.concatenated([5, ~0], [7, 8, ~1, ~0]) == [5, ~0, 7, 8, ~2, ~1]
+    assert concatenated([5, ~0], [7, 8, ~1, ~0]) == [5, ~0, 7, 8, ~2, ~1]
+    assert concatenated([5, EMPTY_CACHE], [7, ~0]) == [5, EMPTY_CACHE, 7, ~1]
 
 
 @pytest.mark.parametrize("changes, message", [

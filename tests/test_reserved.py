@@ -156,7 +156,7 @@ def _measured_slack(spec, setup, plan=None) -> int:
 
 
 def _checkpointed_slack(spec, setup, target: str) -> int:
-    """The checkpointed step's slack traced now (no cache)."""
+    """The checkpointed step's slack from its stream, past the disk cache of slacks."""
     from course_lib.memory.checkpointed import checkpointed_stream
 
     return stream_slack(*checkpointed_stream(spec, setup, target))

@@ -13,16 +13,17 @@ import torch
 from course_lib.cache import cached_answer
 from course_lib.checkpointing import apply_plan, named_plan
 from course_lib.memory.autocast import MetaAutocast
-from course_lib.memory.compose import shallow_depth, shallow_spec, step_stream
-from course_lib.memory.deep_stream import deep_stream, live_peak
+from course_lib.memory.compose import shallow_depth, shallow_spec
+from course_lib.memory.deep_stream import deep_stream, live_peak, mark_positions
 from course_lib.memory.meta_kernels import kernels_as_on
 from course_lib.memory.reserved import stream_slack
 from course_lib.memory.setup import PlanError, Setup
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
-from course_lib.memory.trace import _build_traced_model, _decoder_layers, _MetaTracer, _trace, _trace_key
+from course_lib.memory.trace import _build_traced_model, _decoder_layers, _MetaTracer, _trace_key, step_stream
 from course_lib.models import ModelSpec
 
 _SLACKS: dict[tuple, int] = {}  # checkpointed_slack's, by trace key and plan
+_STREAMS: dict[tuple, tuple[list[int], int]] = {}  # checkpointed_stream's, by trace key and plan
 
 
 def checkpointed_slack(spec: ModelSpec, setup: Setup, target: str = "cuda") -> int:
@@ -41,10 +42,10 @@ def checkpointed_slack(spec: ModelSpec, setup: Setup, target: str = "cuda") -> i
 
 def planned_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> list[int]:
     """The allocation stream of the step as planned: the checkpointed step's under a checkpointing plan, else
-    the plain step's (`compose.step_stream`)."""
+    the plain step's (`trace.step_stream`)."""
     if setup.checkpointing != "none":
         return checkpointed_stream(spec, setup, target)[0]
-    return step_stream(spec, setup, target, _trace)
+    return step_stream(spec, setup, target)
 
 
 def checkpointed_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> tuple[list[int], int]:
@@ -52,7 +53,14 @@ def checkpointed_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> 
     Every layer checkpointed, the deep model's is built (`memory.deep_stream`) from copies of three and four
     periods of layers (`compose.shallow_depth`); other plans are traced on the three-period copy (their
     segments depend on the depth), as is a model whose copies' streams do not expand; a shallow model, or one
-    whose layers do not repeat, in full."""
+    whose layers do not repeat, in full. Kept for the process: the slack, the wrap and the limit replay it."""
+    key = (*_trace_key(spec, setup, target), setup.checkpointing)
+    if key not in _STREAMS:
+        _STREAMS[key] = _checkpointed_stream(spec, setup, target)
+    return _STREAMS[key]
+
+
+def _checkpointed_stream(spec: ModelSpec, setup: Setup, target: str) -> tuple[list[int], int]:
     depth = shallow_depth(spec)
     if depth is None:
         traced = _traced(spec, spec, spec.n_layers, setup, target)
@@ -80,7 +88,7 @@ def _traced(spec: ModelSpec, copy_spec: ModelSpec, depth: int, setup: Setup, tar
         hook = step_in_backward_hook(tracer, model, copy_spec, setup, target == "cuda")
         for param in (p for p in model.parameters() if p.requires_grad):
             param.register_post_accumulate_grad_hook(hook)
-    handles = _mark_positions(tracer, _decoder_layers(model, depth))
+    handles = mark_positions(tracer, _decoder_layers(model, depth))
     try:
         apply_plan(model, named_plan(depth, setup.checkpointing), recompute_context=autocast and (lambda: autocast))
         with warnings.catch_warnings(), kernels_as_on(target, autocast), tracer:
@@ -101,39 +109,3 @@ def _traced(spec: ModelSpec, copy_spec: ModelSpec, depth: int, setup: Setup, tar
             handle.remove()
     return tracer
 
-
-def _mark_positions(tracer: _MetaTracer, layers) -> list:
-    """Hooks that mark the tracer's stream by (phase, layer) as `trace._trace` does, for `memory.deep_stream`:
-    a layer's forward at its index, its backward from its output's gradient on; the replay of a checkpointed
-    layer in backward stays in the backward's mark (the hooks skip it)."""
-    last = len(layers) - 1
-
-    def starts(phase: str | None, position):
-        def hook(grad):
-            tracer.set_phase(phase or tracer.phase, position)
-        return hook
-
-    def pre_hook(index):
-        def hook(module, args, kwargs):
-            if torch._C._current_graph_task_id() != -1:  # the replay in backward
-                return
-            tracer.set_phase(tracer.phase, index)
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            if index == 0 and hidden.requires_grad:
-                hidden.register_hook(starts("tail_backward", "pre"))
-        return hook
-
-    def post_hook(index):
-        def hook(module, args, result):
-            if torch._C._current_graph_task_id() != -1:
-                return
-            hidden = result[0] if isinstance(result, (tuple, list)) else result
-            if index == last:
-                tracer.set_phase(tracer.phase, "post")
-            if hidden.requires_grad:
-                hidden.register_hook(starts("layer_backward" if index == last else None, index))
-        return hook
-
-    return [handle for index, layer in enumerate(layers)
-            for handle in (layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True),
-                           layer.register_forward_hook(post_hook(index)))]

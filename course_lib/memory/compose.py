@@ -155,23 +155,10 @@ def _composed(spec: ModelSpec, setup, target: str, trace: Callable, n: int, peri
         **{name: getattr(a, name) for name in CONSTANT})
 
 
-def step_stream(spec: ModelSpec, setup, target: str, trace: Callable) -> list[int]:
-    """The plain step's allocation stream of the whole model: built from two shallow copies' traces
-    (`trace`: `trace._trace`) where the model repeats, else the full trace's."""
-    n, period = spec.n_layers, layer_period(spec.config)
-    if n is not None and period is not None and not _per_layer_lists(spec.config, n):
-        candidates = sorted({1, period})
-        for candidate in (c for c in candidates if n % c == 0 and n >= MIN_PERIODS * c):
-            small, large = (trace(shallow_spec(spec, k * candidate), setup, target) for k in (3, 4))
-            stream = deep_stream(small, large, n, candidate)
-            if stream is not None:
-                return stream
-    return list(trace(spec, setup, target).stream)
-
-
 def _slacks(a, b, n: int, period: int) -> dict[str, int]:
-    """The allocator's slack of the deep model, from its stream where it can be built (memory.deep_stream)."""
+    """The allocator's slack of the deep model, from its stream where it can be built (memory.deep_stream),
+    and that stream (`Trace.stream`, in memory only)."""
     stream = deep_stream(a, b, n, period)
     if stream is None:
         return {name: max(getattr(a, name), getattr(b, name)) for name in APPROXIMATE}
-    return stream_slacks(stream, live_peak(stream))
+    return {**stream_slacks(stream, live_peak(stream)), "stream": tuple(stream)}

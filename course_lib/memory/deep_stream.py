@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 
 def deep_stream(small, large, n_layers: int, period: int) -> list[int] | None:
     """The stream of `n_layers` layers from the traces of the 3p- and 4p-layer copies (`small`, `large`:
@@ -101,3 +103,43 @@ def _target(source: int | None, freeing: int | None, unit: int | None, position,
     if freeing is not None:
         return unit + source - freeing  # as far from the freeing run as in the copy
     return (0, 1 if position == "pre" else units - 2, units - 1)[source]
+
+
+def mark_positions(tracer, layers, on_backward=None) -> list:
+    """Hooks on the decoder `layers` that mark the tracer's stream (`trace._MetaTracer.set_phase`) by (phase,
+    layer), as `deep_stream` cuts it: a layer's forward at its index, its backward from its output's gradient
+    on (`on_backward(index)` called there first; the tail's index is len(layers)); a checkpointed layer's
+    replay in backward stays in the backward's mark."""
+    last = len(layers) - 1
+
+    def starts(index: int, phase: str | None, position):
+        def hook(grad):
+            if on_backward is not None:
+                on_backward(index)
+            tracer.set_phase(phase or tracer.phase, position)
+        return hook
+
+    def pre_hook(index):
+        def hook(module, args, kwargs):
+            if torch._C._current_graph_task_id() != -1:  # the replay in backward
+                return
+            tracer.set_phase(tracer.phase, index)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if index == 0 and hidden.requires_grad:  # its gradient: the layers' backward is over
+                hidden.register_hook(starts(len(layers), "tail_backward", "pre"))
+        return hook
+
+    def post_hook(index):
+        def hook(module, args, result):
+            if torch._C._current_graph_task_id() != -1:
+                return
+            hidden = result[0] if isinstance(result, (tuple, list)) else result
+            if index == last:
+                tracer.set_phase(tracer.phase, "post")
+            if hidden.requires_grad:  # its gradient: layer index's backward starts
+                hidden.register_hook(starts(index, "layer_backward" if index == last else None, index))
+        return hook
+
+    return [handle for index, layer in enumerate(layers)
+            for handle in (layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True),
+                           layer.register_forward_hook(post_hook(index)))]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from course_lib.cache import cached_answer
-from course_lib.caching_allocator import replay
+from course_lib.caching_allocator import concatenated, replay
 from course_lib.memory.checkpointed import planned_stream
 from course_lib.memory.fsdp import stored_bytes
 from course_lib.memory.reserved import two_steps
@@ -145,16 +145,6 @@ def _buckets(unit: list[int]) -> list[list[int]]:
             buckets.append(current)
             current, size = [], 0
     return buckets + ([current] if current else [])
-
-
-def concatenated(*streams: list[int | None]) -> list[int | None]:
-    """Streams one after another on one allocator: each one's frees shifted past the allocations before it."""
-    out: list[int | None] = []
-    made = 0
-    for stream in streams:
-        out += [entry if entry is None or entry >= 0 else entry - made for entry in stream]
-        made += sum(1 for entry in stream if entry is not None and entry >= 0)
-    return out
 
 
 def residue_extra(wrap: list[int], kept: list[int], step: list[int], states: list[int],

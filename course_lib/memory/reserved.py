@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.caching_allocator import EMPTY_CACHE, replay
+from course_lib.caching_allocator import EMPTY_CACHE, concatenated, replay
 from course_lib.measure import format_bytes
 from course_lib.memory.gpus import CUDA_CONTEXT_BYTES, GPU
 from course_lib.memory.states import state_tensor_bytes
@@ -98,9 +98,8 @@ def two_steps(stream: list[int], empty_cache: bool = False) -> list[int | None]:
     """The step's stream run twice as `stream_slack` replays it, ready for `caching_allocator.replay`."""
     made = sum(1 for entry in stream if entry >= 0)
     freed = {~entry for entry in stream if entry < 0}
-    between = [~i for i in range(made) if i not in freed]
-    again = [entry if entry >= 0 else entry - made for entry in stream]
-    return list(stream) + ([EMPTY_CACHE] if empty_cache else []) + between + again
+    between = [~i for i in range(made) if i not in freed]  # what the first step left alive (the gradients)
+    return concatenated(list(stream) + ([EMPTY_CACHE] if empty_cache else []) + between, stream)
 
 
 def stream_slacks(stream: list[int], peak: int) -> dict[str, int]:

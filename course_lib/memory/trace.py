@@ -17,6 +17,7 @@ from course_lib.memory.autocast import MetaAutocast
 from course_lib.memory.compose import composed_trace
 from course_lib.memory.meta_kernels import kernels_as_on
 from course_lib.memory.moe import refuse_lora_on_experts
+from course_lib.memory.deep_stream import mark_positions
 from course_lib.memory.reserved import AllocationStream, stream_slacks
 from course_lib.memory.setup import PlanError, Setup, itemsize
 from course_lib.memory.toolbox import step_in_backward_hook, traced_loss
@@ -181,6 +182,17 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     return _TRACES[key]
 
 
+def step_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> list[int]:
+    """The plain step's allocation stream of the whole model: the trace's (a composed trace's is the deep
+    stream `memory.deep_stream` built), traced again where the trace came from the disk cache, which keeps no
+    stream; a composed trace whose stream could not be built is traced in full."""
+    stream = trace_step(spec, setup, target).stream
+    if not stream:
+        composed = composed_trace(spec, setup, target, _trace)
+        stream = (composed if composed is not None and composed.stream else _trace(spec, setup, target)).stream
+    return list(stream)
+
+
 def _or_refusal(make) -> Trace | str:
     try:
         return make()
@@ -238,12 +250,6 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     output = {"bytes": 0}
     grads_at = [None] * (len(layers) + 1)  # parameter gradients made when layer i's backward starts; [n]: the tail's
 
-    def backward_starts(index: int, phase: str, position):
-        def hook(grad):
-            grads_at[index] = tracer.grad_bytes
-            tracer.set_phase(phase or tracer.phase, position)
-        return hook
-
     offload = HostOffload() if setup.offload_activations else None
     cached = [0] * (len(layers) + 1)  # [n]: outside the layers
 
@@ -262,27 +268,19 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     def pre_hook(index):
         def hook(module, args, kwargs):
             current["layer"] = index
-            tracer.set_phase(tracer.phase, index)
             hidden = args[0] if args else kwargs.get("hidden_states")
             inputs[index] = hidden.untyped_storage().nbytes()
-            if index == 0 and hidden.requires_grad:  # its gradient: the layers' backward is over
-                hidden.register_hook(backward_starts(len(layers), "tail_backward", "pre"))
         return hook
 
     def post_hook(index):
         def hook(module, args, result):
             current["layer"] = None
-            hidden = result[0] if isinstance(result, (tuple, list)) else result
             if index == len(layers) - 1:
-                tracer.set_phase(tracer.phase, "post")
-                output["bytes"] = hidden.untyped_storage().nbytes()
-                if hidden.requires_grad:
-                    hidden.register_hook(backward_starts(index, "layer_backward", index))
-            elif hidden.requires_grad:  # its gradient: layer index's backward starts
-                hidden.register_hook(backward_starts(index, None, index))
+                output["bytes"] = (result[0] if isinstance(result, (tuple, list)) else result).untyped_storage().nbytes()
         return hook
 
-    handles = []
+    # parameter gradients made when layer i's backward starts ([n]: the tail's)
+    handles = mark_positions(tracer, layers, lambda index: grads_at.__setitem__(index, tracer.grad_bytes))
     for index, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True))
         handles.append(layer.register_forward_hook(post_hook(index)))
