@@ -3,7 +3,7 @@
 
     python benchmarks/gpu_lessons.py [NOTEBOOK ...] [--cell-timeout 120] [--json PATH]   # default: lessons 7 and 6
 
-Each notebook runs in a new kernel of this Python (course_lib.exercises.run.run_notebook, the
+Each notebook runs in a new kernel of this Python (course_lib.grading.run.run_notebook, the
 grader's runner), started in the notebook's folder as on a learner's machine; nothing is written
 back. benchmarks/gpu_check.sh runs it with a time budget, which its driver passes in
 GPU_CHECK_PART_SECONDS: the notebooks are stopped 30 s before it (a kernel starting included), so that
@@ -28,7 +28,7 @@ def run_lesson(path: Path, cell_timeout: float, notebook_timeout: float) -> dict
     `%%gpu_only` cells' first lines, errors and printed output."""
     import nbformat
 
-    from course_lib.exercises.run import run_notebook
+    from course_lib.grading.run import run_notebook
 
     notebook = nbformat.read(path, as_version=4)
     start = time.monotonic()

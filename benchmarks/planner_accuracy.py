@@ -32,7 +32,7 @@ import torch
 
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.measure import MiB, measure_step, storage_bytes
-from course_lib.memory import Setup, plan
+from course_lib.planner import Setup, plan
 from course_lib.models import build_model, spec_from_model
 from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, chunked_causal_lm_loss,
                                embeddings_in_32_bits)

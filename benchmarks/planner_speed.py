@@ -7,10 +7,10 @@ count: Python, torch and the CLI starting up). Lesson 1.
     .venv/bin/python benchmarks/planner_speed.py --quick    # three models
 
 The floor, `course-lib plan --params 7e9 --gpu t4`, runs what every `course-lib plan` runs: Python
-starting, torch imported (by course_lib.memory), the argument parser, the model states of a bare
+starting, torch imported (by course_lib.planner), the argument parser, the model states of a bare
 count and "what makes it fit" for them; no transformers, no trace. A named model adds, on a cold cache,
 transformers (the first line after the floor measures its import alone, `AutoConfig.for_model` in a
-fresh Python beside a fresh `import course_lib.memory`), peft for LoRA, and the meta-device traces;
+fresh Python beside a fresh `import course_lib.planner`), peft for LoRA, and the meta-device traces;
 on a warm one only reading the kept config, parameter list and traces (models.SavedConfig: neither
 transformers nor peft is imported). Nothing of bitsandbytes is imported (`importlib.util.find_spec`
 only).
@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from course_lib import memory
+from course_lib import planner
 from course_lib.models import bundled_models
 
 RECIPES = {  # name: (plan() options, CLI flags); precision fits the T4 (no bf16)
@@ -91,11 +91,11 @@ def main() -> int:
     args = parser.parse_args()
     models = ["gpt2", "llama-3.1-8b", "llama-2-70b"] if args.quick else bundled_models()
     os.environ["COURSE_LIB_CACHE_DIR"] = ""  # plan() in this process: no trace from disk
-    memory.plan("gpt2", lora_rank=4, seq=8)  # imports (torch, transformers, peft) are the floor's, not plan()'s
+    planner.plan("gpt2", lora_rank=4, seq=8)  # imports (torch, transformers, peft) are the floor's, not plan()'s
     floor = min(_cli_seconds("--params", "7e9", "--gpu", "t4") for _ in range(3))
     print(f"--params floor (course-lib plan --params 7e9 --gpu t4): {floor:.2f} s")
-    base = min(_python_seconds("import course_lib.memory") for _ in range(3))
-    configs = min(_python_seconds("import course_lib.memory; from transformers import AutoConfig; "
+    base = min(_python_seconds("import course_lib.planner") for _ in range(3))
+    configs = min(_python_seconds("import course_lib.planner; from transformers import AutoConfig; "
                                   "AutoConfig.for_model('llama')") for _ in range(3))
     print(f"transformers' import (a config class), which a named model adds to it: {configs - base:.2f} s")
     _chart_seconds()  # matplotlib's first figure: its import and fonts
@@ -108,20 +108,20 @@ def main() -> int:
         extra_options, extra_flags = _extra(model)
         for recipe, (options, flags) in RECIPES.items():
             options = {**options, **SIZE, **extra_options}
-            memory.trace._TRACES.clear()
-            memory.checkpointed._SLACKS.clear()
+            planner.trace.step._TRACES.clear()
+            planner.trace.checkpointed._SLACKS.clear()
             start = time.perf_counter()
             try:
-                memory.plan(model, **options)
-            except memory.PlanError as refusal:  # e.g. all-linear LoRA on a mixture's 3-D experts
+                planner.plan(model, **options)
+            except planner.PlanError as refusal:  # e.g. all-linear LoRA on a mixture's 3-D experts
                 print(f"{model:<14} {recipe:<6} refused: {str(refusal)[:80]}")
                 continue
             uncached = time.perf_counter() - start
             start = time.perf_counter()
-            memory.plan(model, **options)
+            planner.plan(model, **options)
             cached = time.perf_counter() - start
             start = time.perf_counter()
-            memory.plan(model, gpu="t4", **options)  # the widget's "what makes it fit", after its chart
+            planner.plan(model, gpu="t4", **options)  # the widget's "what makes it fit", after its chart
             tricks = time.perf_counter() - start
             argv = [model, "--gpu", "t4", "--batch", str(SIZE["batch"]), "--seq", str(SIZE["seq"]), *flags,
                     *extra_flags]

@@ -4,7 +4,7 @@ Every row of benchmarks/data/published_runs.csv is one peak someone measured on 
 with its source (repository, file and commit; docs/references.md has an entry per source), the run's
 configuration, the statistic measured (allocated = `torch.cuda.max_memory_allocated`, reserved =
 `max_memory_reserved`, nvidia-smi = reserved plus the CUDA context) and its unit (GB = 10^9 bytes,
-GiB = 2^30). For each row this prints the planner's prediction (`course_lib.memory.plan`, the setup
+GiB = 2^30). For each row this prints the planner's prediction (`course_lib.planner.plan`, the setup
 `course-lib plan` builds from the same options) beside the published figure, the error, and the fit
 verdict beside a published fit or OOM; then the worst error per statistic.
 
@@ -29,10 +29,10 @@ from pathlib import Path
 
 from course_lib.errors import UserError
 from course_lib.measure import GiB, MiB
-from course_lib.memory import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
-from course_lib.memory.checkpointed import planned_stream
-from course_lib.memory.fsdp_wrap import after_wrap
-from course_lib.memory.setup import FSDP_WRAP_FROM
+from course_lib.planner import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
+from course_lib.planner.trace.checkpointed import planned_stream
+from course_lib.planner.parallel.fsdp_wrap import after_wrap
+from course_lib.planner.config.setup import FSDP_WRAP_FROM
 from course_lib.models import model_spec
 
 DATA = Path(__file__).with_name("data") / "published_runs.csv"
@@ -227,7 +227,7 @@ RESERVED_AFTER_WRAP = ("fq-qlora-b1-512", 3.72 * GiB)
 
 def loader_residue(results: list[Result]) -> str | None:
     """What Answer.AI's loader leaves reserved before the first step: the published reserved_after_model_wrap
-    beside the planner's prediction for the same row (`course_lib.memory.fsdp_wrap.after_wrap`)."""
+    beside the planner's prediction for the same row (`course_lib.planner.parallel.fsdp_wrap.after_wrap`)."""
     result = next((r for r in results if r.row["id"] == RESERVED_AFTER_WRAP[0] and r.planned), None)
     if result is None:
         return None
@@ -239,7 +239,7 @@ def loader_residue(results: list[Result]) -> str | None:
 
 
 def limit_lines(results: list[Result]) -> list[str]:
-    """For each row predicted at the card's limit (`course_lib.memory.limit`): the caching allocator frees its
+    """For each row predicted at the card's limit (`course_lib.planner.allocator.limit`): the caching allocator frees its
     cache and retries where a cudaMalloc fails, so max_memory_reserved records the reserve at the first failure,
     between the card less the context and the step's largest request, and the card less the context."""
     lines = []

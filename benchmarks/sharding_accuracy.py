@@ -8,7 +8,7 @@ measured by the live-storage tracker; FSDP2 (zero2, zero3) also as people config
 torchtitan's wrapping, and MixedPrecisionPolicy with param_dtype=bf16 and reduce_dtype None or fp32. The collectives run asynchronously, so a rank's peak moves from
 step to step and run to run (lesson 6, "the spread"): each case is started `--runs` times (5 by
 default), two measured steps each, and the table shows each rank's lowest and highest peak.
-`course_lib.memory.plan(..., gpus=N, shard=stage)` predicts it (for zero1, the plan's rank with the
+`course_lib.planner.plan(..., gpus=N, shard=stage)` predicts it (for zero1, the plan's rank with the
 largest share, less the optimizer state this rank does not own: `detail["zero1_rank_shares"]`) and
 is compared with the highest. The goal: every row within 10% of the highest and not below it by more
 than 2%. Exit status 1 when a row misses it.
@@ -29,7 +29,7 @@ import torch
 
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.measure import MiB
-from course_lib.memory import plan
+from course_lib.planner import plan
 from course_lib.models import spec_from_model
 from course_lib.sharding import STAGES, FSDPOptions, measure_sharding
 

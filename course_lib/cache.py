@@ -1,6 +1,6 @@
 """Configs, traces and parameter lists kept on disk between runs of `course-lib plan` (lesson 1, "the
 planner"). Each kind's reader and writer live with its type: `models.cached_params`,
-`memory.trace.cached_trace`, `model_config.read_config`.
+`planner.trace.step.cached_trace`, `model_config.read_config`.
 
 A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
 and the tracer's own code; a parameter list only on the config and the libraries; a config

@@ -32,8 +32,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _make_exercises(args: argparse.Namespace) -> int:
-    # off the import path: course_lib.exercises imports nbclient and nbformat (seconds): keeps `course-lib plan` light
-    from course_lib.exercises import write_exercises
+    # off the import path: course_lib.grading imports nbclient and nbformat (seconds): keeps `course-lib plan` light
+    from course_lib.grading import write_exercises
 
     report = write_exercises(args.solutions, args.exercises, force=args.force)
     for line in report:
@@ -42,8 +42,8 @@ def _make_exercises(args: argparse.Namespace) -> int:
 
 
 def _kernelspec(args: argparse.Namespace) -> int:
-    # off the import path: course_lib.exercises imports nbclient and nbformat (seconds): keeps `course-lib plan` light
-    from course_lib.exercises import set_kernelspecs
+    # off the import path: course_lib.grading imports nbclient and nbformat (seconds): keeps `course-lib plan` light
+    from course_lib.grading import set_kernelspecs
 
     for path in set_kernelspecs(args.folders):
         print(f"rewritten as JupyterLab saves it: {path}")
@@ -51,8 +51,8 @@ def _kernelspec(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    # off the import path: course_lib.exercises imports nbclient and nbformat (seconds): keeps `course-lib plan` light
-    from course_lib.exercises import grade
+    # off the import path: course_lib.grading imports nbclient and nbformat (seconds): keeps `course-lib plan` light
+    from course_lib.grading import grade
 
     return grade(args.notebooks, args.csv, reference_dir=args.reference, cell_timeout=args.timeout,
                  notebook_timeout=args.notebook_timeout, jobs=args.jobs, only_errors=args.only_errors,
@@ -91,8 +91,8 @@ def _lora_targets(text: str) -> str | tuple[str, ...]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    # off the import path: course_lib.memory imports torch (a second): keeps `course-lib grade` light
-    from course_lib.memory import PlanError, plan_from_cli
+    # off the import path: course_lib.planner imports torch (a second): keeps `course-lib grade` light
+    from course_lib.planner import PlanError, plan_from_cli
 
     try:
         result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import matplotlib.pyplot as plt
 
 from course_lib.measure import PHASES, MiB
-from course_lib.memory.prediction import STEP_PHASES
+from course_lib.planner.predict import STEP_PHASES
 from course_lib.paging import TOUCH_CATEGORIES
 
 if TYPE_CHECKING:

@@ -19,9 +19,9 @@ FLOORS = [
                         "course_lib.layers", "course_lib.course"]),
     ("lesson topics", ["course_lib.accumulation", "course_lib.checkpointing", "course_lib.paging",
                        "course_lib.sharding", "course_lib.toolbox"]),
-    ("planner", ["course_lib.memory"]),
+    ("planner", ["course_lib.planner"]),
     ("capstone", ["course_lib.qlora"]),
-    ("on top", ["course_lib.checks", "course_lib.exercises", "course_lib.plots", "course_lib.widgets", "course_lib.cli"]),
+    ("on top", ["course_lib.checks", "course_lib.grading", "course_lib.plots", "course_lib.widgets", "course_lib.cli"]),
 ]
 # Libraries that take long to import or load native code: a function-local import may keep them off the path.
 HEAVY = ("transformers", "peft", "bitsandbytes", "matplotlib", "accelerate", "huggingface_hub", "IPython",

@@ -16,7 +16,7 @@ from course_lib.checkpointing import tiny_decoder
 from course_lib.cli import main
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
-from course_lib.memory import plan
+from course_lib.planner import plan
 from course_lib.paging import Hardware, simulate, simulate_offload, TrainingSetup, transformer_params
 from course_lib.qlora import Recipe
 from course_lib.sharding import measure_sharding

@@ -15,7 +15,7 @@ from course_lib import checks
 from course_lib.checks import CheckFailed, hints_only, refuse_reference
 from course_lib.checks.adam import CATEGORIES
 from course_lib.measure import measure_step
-from course_lib.memory import optimizer_state_bytes, plan
+from course_lib.planner import optimizer_state_bytes, plan
 
 CHECKS_DIR = str(Path(course_lib.checks.__file__).parent)
 
@@ -62,14 +62,14 @@ def test_hints_only_keeps_a_passing_checks_result():
 
 
 def test_refuse_reference_sees_a_call_however_it_was_imported():
-    import course_lib.memory as memory
-    from course_lib.memory import plan as renamed
+    import course_lib.planner as planner
+    from course_lib.planner import plan as renamed
 
-    for answer in (lambda: renamed(10).total, lambda: memory.plan(10).total, lambda: [plan][0](10).total):
-        with pytest.raises(CheckFailed, match=r"calls course_lib\.memory\.planner\.plan, the course library's own answer"):
-            with refuse_reference(memory, instead="add it up"):
+    for answer in (lambda: renamed(10).total, lambda: planner.plan(10).total, lambda: [plan][0](10).total):
+        with pytest.raises(CheckFailed, match=r"calls course_lib\.planner\.entry\.plan, the course library's own answer"):
+            with refuse_reference(planner, instead="add it up"):
                 answer()
-    with refuse_reference(memory):
+    with refuse_reference(planner):
         assert sum(range(4)) == 6  # no call into the reference: nothing to refuse
 
 

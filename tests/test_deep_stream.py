@@ -1,4 +1,4 @@
-"""A deep model's allocation stream built from its shallow copies' (course_lib.memory.deep_stream), and the
+"""A deep model's allocation stream built from its shallow copies' (course_lib.planner.trace.deep_stream), and the
 composed trace's allocator slack replayed from it: the same stream, entry for entry, and the same slack as
 tracing every layer."""
 
@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import memory
-from course_lib.memory.compose import composed_trace, shallow_spec
-from course_lib.memory.deep_stream import deep_stream, live_peak
-from course_lib.memory.trace import _trace
+from course_lib import planner
+from course_lib.planner.trace.compose import composed_trace, shallow_spec
+from course_lib.planner.trace.deep_stream import deep_stream, live_peak
+from course_lib.planner.trace.step import _trace
 from course_lib.models import model_spec
 
 CASES = [
@@ -23,7 +23,7 @@ CASES = [
 
 @pytest.mark.parametrize("name, options, period", CASES)
 def test_the_deep_stream_is_the_full_traces_entry_for_entry(name, options, period):
-    spec, setup = model_spec(name), memory.Setup(**options).validate()
+    spec, setup = model_spec(name), planner.Setup(**options).validate()
     small, large = (_trace(shallow_spec(spec, k * period), setup, "cuda") for k in (3, 4))
     full = _trace(spec, setup, "cuda")
     stream = deep_stream(small, large, spec.n_layers, period)
@@ -33,7 +33,7 @@ def test_the_deep_stream_is_the_full_traces_entry_for_entry(name, options, perio
 
 
 def test_layers_that_do_not_repeat_give_no_deep_stream():
-    spec, setup = model_spec("qwen2.5-0.5b"), memory.Setup(precision="bf16", seq=128).validate()
+    spec, setup = model_spec("qwen2.5-0.5b"), planner.Setup(precision="bf16", seq=128).validate()
     small, large = (_trace(shallow_spec(spec, k), setup, "cuda") for k in (3, 4))
     assert deep_stream(small, large, spec.n_layers, 1) is not None
     changed = replace(large, stream=large.stream[:-1] + (large.stream[-1] + 512,))  # one entry of the copy differs
@@ -47,7 +47,7 @@ def test_layers_that_do_not_repeat_give_no_deep_stream():
     ("llama-3.2-3b", dict(precision="bf16", batch=4, seq=768, loop="keep-outputs")),
 ])
 def test_a_composed_traces_slack_is_its_full_traces(name, options):
-    spec, setup = model_spec(name), memory.Setup(**options).validate()
+    spec, setup = model_spec(name), planner.Setup(**options).validate()
     full, composed = _trace(spec, setup, "cuda"), composed_trace(spec, setup, "cuda", _trace)
     assert composed is not None and composed.allocator_slack_emptied > 0
     assert (composed.allocator_slack, composed.allocator_slack_emptied) \
@@ -62,10 +62,10 @@ def test_a_composed_traces_slack_is_its_full_traces(name, options):
 def test_the_checkpointed_deep_stream_is_the_full_checkpointed_traces(name, options):
     """Every layer checkpointed, the deep model's stream built from the 3- and 4-layer copies is the stream of
     the checkpointed step traced on every layer, entry for entry; another plan is traced on the 3-layer copy."""
-    from course_lib.memory.checkpointed import _traced, checkpointed_stream
+    from course_lib.planner.trace.checkpointed import _traced, checkpointed_stream
 
     spec = model_spec(name)
-    setup = memory.Setup(checkpointing="every-layer", **options).validate()
+    setup = planner.Setup(checkpointing="every-layer", **options).validate()
     full = _traced(spec, spec, spec.n_layers, setup, "cuda")
     stream, peak = checkpointed_stream(spec, setup)
     small = _traced(spec, shallow_spec(spec, 3), 3, setup, "cuda")

@@ -16,7 +16,7 @@ import nbformat
 import pytest
 
 from course_lib.course import colab_url
-from course_lib.exercises import (BEGIN, END, METADATA, jupyterlab_kernelspec, learner_fingerprint, make_exercise,
+from course_lib.grading import (BEGIN, END, METADATA, jupyterlab_kernelspec, learner_fingerprint, make_exercise,
                                   protected_cells, set_kernelspec, strip_solutions, write_exercises)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import torch
 
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.layers import find_layer_stack
-from course_lib.memory import plan
-from course_lib.memory.fsdp import layer_and_root_numels
+from course_lib.planner import plan
+from course_lib.planner.parallel.fsdp import layer_and_root_numels
 from course_lib.models import spec_from_model
 from course_lib.sharding import run_ranks
 from course_lib.sharding.tracking import RankTracker
@@ -142,7 +142,7 @@ def test_fsdp1s_own_backward_prefetch_holds_the_next_layer_and_is_planned_within
 def test_fsdp1s_unshard_stream_reserves_its_own_peak():
     """The gathered units live in the unshard stream's pool, the rest of the step in the default stream's:
     each pool reserves its own peak (predicted; a CPU has no streams)."""
-    from course_lib.memory.fsdp import unshard_pool_extra
+    from course_lib.planner.parallel.fsdp import unshard_pool_extra
 
     # the step peaks at phase a (10); the gathered bytes peak at b (5); the rest at a (10 - 2)
     assert unshard_pool_extra({"a": 10, "b": 8, "c": 1}, {"a": 2, "b": 5}) == 8 + 5 - 10

@@ -8,8 +8,8 @@ import torch
 
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.measure import storage_bytes
-from course_lib.memory import PlanError, plan
-from course_lib.memory.states import nf4_bytes
+from course_lib.planner import PlanError, plan
+from course_lib.planner.states.model_states import nf4_bytes
 from course_lib.models import model_spec, spec_from_model
 from course_lib.sharding import run_ranks
 from course_lib.sharding.engines import wrap

@@ -1,5 +1,5 @@
-"""What FSDP1's wrap of a model on the CPU leaves cached before the first step (course_lib.memory.fsdp_wrap),
-what that does to the planned reserve, and the OOM line at the card's limit (course_lib.memory.limit)."""
+"""What FSDP1's wrap of a model on the CPU leaves cached before the first step (course_lib.planner.parallel.fsdp_wrap),
+what that does to the planned reserve, and the OOM line at the card's limit (course_lib.planner.allocator.limit)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import cli, memory
+from course_lib import cli, planner
 from course_lib.caching_allocator import EMPTY_CACHE, MiB, concatenated, replay
 from course_lib.measure import GiB
-from course_lib.memory import fsdp_wrap
-from course_lib.memory.setup import PlanError
-from course_lib.memory.states import nf4_bytes
+from course_lib.planner.parallel import fsdp_wrap
+from course_lib.planner.config.setup import PlanError
+from course_lib.planner.states.model_states import nf4_bytes
 from course_lib.models import model_spec
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
 # Answer.AI's fsdp_qlora template (benchmarks_03_2024.md), 2 GPUs, FSDP1 full shard
-ANSWER_AI = memory.Setup(precision="bf16", lora_rank=64, lora_targets=TARGETS, lora_dropout=0.1, quant="nf4-dq",
+ANSWER_AI = planner.Setup(precision="bf16", lora_rank=64, lora_targets=TARGETS, lora_dropout=0.1, quant="nf4-dq",
                          autocast_adapter_dtype=False, batch=1, seq=512, checkpointing="every-layer",
                          loop="outputs-until-step", legacy_causal_lm_loss=True, gpus=2, shard="zero3", fsdp_version=1,
                          fsdp_backward_prefetch=True, fsdp_wrap_from="cpu-broadcast")
@@ -103,8 +103,8 @@ def test_a_wrap_fsdp1_does_not_make_is_one_line(changes, message):
 
 def test_the_wrap_changes_the_reserved_memory_only():
     spec = model_spec("llama-2-7b")
-    with_wrap = memory.plan(spec, ANSWER_AI, gpu="rtx3090", suggest=False)
-    empty = memory.plan(spec, replace(ANSWER_AI, fsdp_wrap_from=None), gpu="rtx3090", suggest=False)
+    with_wrap = planner.plan(spec, ANSWER_AI, gpu="rtx3090", suggest=False)
+    empty = planner.plan(spec, replace(ANSWER_AI, fsdp_wrap_from=None), gpu="rtx3090", suggest=False)
     assert with_wrap.bytes == empty.bytes
     # at 512 tokens the step's blocks are small: most of the wrap's cache stays beside them
     assert with_wrap.oom_line.reserved - empty.oom_line.reserved > GiB / 2
@@ -134,10 +134,10 @@ def test_past_the_card_the_allocator_frees_its_cache_and_retries():
     reserve stops at the card; at 16 x 2048 the allocations themselves pass the card."""
     spec = model_spec("llama-2-7b")
     setup = replace(ANSWER_AI, batch=10, seq=2048)
-    line = memory.plan(spec, setup, gpu="rtx3090", suggest=False).oom_line
-    roomy = memory.plan(spec, setup, gpu="a6000", suggest=False).oom_line
+    line = planner.plan(spec, setup, gpu="rtx3090", suggest=False).oom_line
+    roomy = planner.plan(spec, setup, gpu="a6000", suggest=False).oom_line
     assert not roomy.retries and roomy.reserved + roomy.context > line.capacity
     assert line.retries and line.fits and line.nvidia_smi == line.capacity and line.held == roomy.held
-    assert "at its limit" in memory.plan(spec, setup, gpu="rtx3090", suggest=False).verdict()
-    over = memory.plan(spec, replace(setup, batch=16), gpu="rtx3090", suggest=False).oom_line
+    assert "at its limit" in planner.plan(spec, setup, gpu="rtx3090", suggest=False).verdict()
+    over = planner.plan(spec, replace(setup, batch=16), gpu="rtx3090", suggest=False).oom_line
     assert not over.fits and not over.retries

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from course_lib import accumulation, checkpointing, memory, paging, qlora, sharding, toolbox, validate
+from course_lib import accumulation, checkpointing, planner, paging, qlora, sharding, toolbox, validate
 from course_lib.cli import main
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
@@ -95,11 +95,11 @@ def test_grade_command_options(capsys, tmp_path, option, text):
 
 # ------------------------------------------------------------------ memory, qlora
 
-@pytest.mark.parametrize("field", sorted(memory.Setup.__dataclass_fields__))
+@pytest.mark.parametrize("field", sorted(planner.Setup.__dataclass_fields__))
 @FUZZ
 @given(value=VALUES)
 def test_plan_of_a_count_with_any_setup_field(field, value):
-    outcome(lambda: memory.plan(10**9, **{field: value}), good_plan)
+    outcome(lambda: planner.plan(10**9, **{field: value}), good_plan)
 
 
 @FUZZ
@@ -107,13 +107,13 @@ def test_plan_of_a_count_with_any_setup_field(field, value):
        value=VALUES)
 def test_plan_of_a_model_with_a_shape_field(tiny_config, field, value):
     options = {"lora_rank": 4} if field == "lora_targets" else {"shard": "zero3"} if field == "gpus" else {}
-    outcome(lambda: memory.plan(tiny_config, **options, **{field: value}), good_plan)
+    outcome(lambda: planner.plan(tiny_config, **options, **{field: value}), good_plan)
 
 
 @FUZZ
 @given(model=VALUES, gpu=st.one_of(st.none(), VALUES))
 def test_plan_of_any_model_and_gpu(model, gpu):
-    outcome(lambda: memory.plan(model, gpu=gpu, precision="fp32"), good_plan)
+    outcome(lambda: planner.plan(model, gpu=gpu, precision="fp32"), good_plan)
 
 
 @pytest.mark.parametrize("field", sorted(qlora.Recipe.__dataclass_fields__))
@@ -305,11 +305,11 @@ def _non_negative(result) -> None:
 
 
 ONE_ARGUMENT = {
-    "memory.get_gpu": (lambda v: memory.get_gpu(v), lambda gpu: gpu.memory_bytes > 0),
-    "memory.nf4_bytes": (lambda v: memory.nf4_bytes(v, True), _non_negative),
-    "memory.korthikanti_bytes": (lambda v: memory.korthikanti_bytes(v, 64, 32, 2, 2), _non_negative),
-    "memory.what_makes_it_fit": (lambda v: memory.what_makes_it_fit(10**9, v, memory.get_gpu("t4")), None),
-    "memory.optimizer_state_bytes": (lambda v: memory.optimizer_state_bytes(v, [10, 20], 4), _non_negative),
+    "planner.get_gpu": (lambda v: planner.get_gpu(v), lambda gpu: gpu.memory_bytes > 0),
+    "planner.nf4_bytes": (lambda v: planner.nf4_bytes(v, True), _non_negative),
+    "planner.korthikanti_bytes": (lambda v: planner.korthikanti_bytes(v, 64, 32, 2, 2), _non_negative),
+    "planner.what_makes_it_fit": (lambda v: planner.what_makes_it_fit(10**9, v, planner.get_gpu("t4")), None),
+    "planner.optimizer_state_bytes": (lambda v: planner.optimizer_state_bytes(v, [10, 20], 4), _non_negative),
     "toolbox.transfer_seconds": (lambda v: toolbox.transfer_seconds(v, v), _non_negative),
     "checkpointing.segments_plan": (lambda v: checkpointing.segments_plan(4, v), None),
     "checkpointing.validate_plan": (lambda v: checkpointing.validate_plan(v, 4), None),

@@ -19,11 +19,11 @@ import pytest
 import course_lib.layers
 from course_lib.checks import CheckFailed, refuse_reference
 
-from course_lib.exercises import METADATA, identify, load_references, make_exercise, restore, run_notebook
-from course_lib.exercises import run as runner
-from course_lib.exercises.restore import FRESH_CHECKS
+from course_lib.grading import METADATA, identify, load_references, make_exercise, restore, run_notebook
+from course_lib.grading import run as runner
+from course_lib.grading.restore import FRESH_CHECKS
 
-grading = importlib.import_module("course_lib.exercises.grade")  # the module: the package's `grade` is its function
+grading = importlib.import_module("course_lib.grading.grade")  # the module: the package's `grade` is its function
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))

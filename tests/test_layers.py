@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from course_lib.layers import find_layer_stack, layer_of_each_module
-from course_lib.memory.fsdp import layer_and_root_numels
+from course_lib.planner.parallel.fsdp import layer_and_root_numels
 from course_lib.models import build_model, bundled_models, load_config, spec_from_model
 
 

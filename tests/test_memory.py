@@ -1,4 +1,4 @@
-"""Tests of course_lib.memory, the planner (lesson 1): model states exact to the byte against real
+"""Tests of course_lib.planner, the planner (lesson 1): model states exact to the byte against real
 optimizers and real quantized layers, activations against measured training steps, the
 checkpointing cost model as the one source of truth, the GPU catalog and "what makes it fit"."""
 
@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from course_lib import memory
+from course_lib import planner
 from course_lib.measure import measure_step, storage_bytes
-from course_lib.memory import PlanError, Setup, nf4_bytes, optimizer_state_bytes, plan
+from course_lib.planner import PlanError, Setup, nf4_bytes, optimizer_state_bytes, plan
 from course_lib.models import build_model, spec_from_model
 from course_lib.toolbox import chunked_causal_lm_loss
 
@@ -47,7 +47,7 @@ def test_seven_billion_with_adam_is_112_gb(precision):
     result = plan(7e9, precision=precision, optimizer="adamw")
     assert result.bytes["total"] == 112_000_000_000
     assert result.bytes["activations"] == 0 and not result.activations_known
-    assert sum(result.bytes[c] for c in memory.CATEGORIES if c != "total") == result.total
+    assert sum(result.bytes[c] for c in planner.CATEGORIES if c != "total") == result.total
 
 
 def test_mixed_precision_is_2_2_8_4():
@@ -113,7 +113,7 @@ def test_each_state_tensor_of_each_parameter_is_the_real_optimizers(name):
     RMS scalar are the per-optimizer extras `optimizer_state_bytes` adds)."""
     from transformers.optimization import Adafactor
 
-    from course_lib.memory.states import state_tensor_bytes
+    from course_lib.planner.states.model_states import state_tensor_bytes
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             "adamw": torch.optim.AdamW, "adafactor": lambda p: Adafactor(p, lr=1e-3, relative_step=False),
             "lion": bnb.optim.Lion, "paged_adamw32bit": bnb.optim.PagedAdamW32bit,
@@ -276,7 +276,7 @@ def test_a_dropout_keeps_a_one_byte_mask_on_cuda_and_noise_of_the_inputs_dtype_o
     runs `native_dropout` on CUDA)."""
     from transformers import AutoConfig
 
-    from course_lib.memory.trace import _trace
+    from course_lib.planner.trace.step import _trace
 
     def saved(p: float, target: str) -> int:
         config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64,
@@ -308,25 +308,25 @@ def test_lora_trains_few_parameters_and_qlora_stores_half_a_byte():
 
 
 def test_korthikanti_formula():
-    assert memory.korthikanti_bytes(1, 2048, 4096, 32, 1) == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
+    assert planner.korthikanti_bytes(1, 2048, 4096, 32, 1) == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
 
 
 # --- GPUs, verdicts, tricks -----------------------------------------------------------------------
 
 def test_catalog_has_the_required_gpus_and_the_t4_shows_15_gib():
     for name in ("t4", "l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "rtx3090", "rtx4090"):
-        assert memory.get_gpu(name)
+        assert planner.get_gpu(name)
     from course_lib.cli import build_parser
 
     help_text = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
-    assert all(name in help_text for name in memory.GPUS), "course-lib plan --help must list every catalog GPU"
-    assert memory.get_gpu("T4").memory_bytes == 15 * 2**30
-    assert not memory.get_gpu("t4").bf16 and memory.get_gpu("a100").bf16
+    assert all(name in help_text for name in planner.GPUS), "course-lib plan --help must list every catalog GPU"
+    assert planner.get_gpu("T4").memory_bytes == 15 * 2**30
+    assert not planner.get_gpu("t4").bf16 and planner.get_gpu("a100").bf16
 
 
 def test_gpu_target_adds_the_cuda_context_and_a_verdict():
     result = plan(10**6, precision="fp32", gpu="t4")
-    assert result.bytes["overhead"] == memory.CUDA_CONTEXT_BYTES and result.fits
+    assert result.bytes["overhead"] == planner.CUDA_CONTEXT_BYTES and result.fits
     assert "fits on T4" in result.verdict()
 
 
@@ -354,8 +354,8 @@ def test_what_makes_it_fit_tries_exact_tricks_before_lossy_ones_and_prunes_what_
     names = [t.name for t in result.tricks]
     assert not any("accumulation" in name for name in names) and result.tricks[-1].setup.batch == 2
     assert "activation checkpointing (every layer)" in names and names[-1].startswith("QLoRA")
-    candidates = [name for name, _, exact in memory.fit._candidate_tricks(Setup(precision="mixed-fp16", batch=2),
-                                                                         memory.get_gpu("t4"))]
+    candidates = [name for name, _, exact in planner.search.fit._candidate_tricks(Setup(precision="mixed-fp16", batch=2),
+                                                                         planner.get_gpu("t4"))]
     lossy_from = candidates.index("8-bit AdamW (bitsandbytes)")
     assert all(name.startswith(("8-bit", "LoRA", "QLoRA")) for name in candidates[lossy_from:])
     assert "fused AdamW (fused=True, the Trainer's adamw_torch_fused)" in candidates[:lossy_from]
@@ -450,17 +450,17 @@ def test_optimizer_temporaries_are_their_own_category_and_prepare_kbit_costs_mem
     """The foreach AdamW step's sqrt(v) is counted apart from activations (what it adds over their peak),
     and "what makes it fit" takes QLoRA as peft's recipe does it: prepare_model_for_kbit_training upcasts
     the output layer to fp32, which fp16 autocast then re-casts at every call (lesson 5)."""
-    setup = memory.Setup(precision="fp32", batch=1, seq=64, checkpointing="every-layer")
+    setup = planner.Setup(precision="fp32", batch=1, seq=64, checkpointing="every-layer")
     foreach = plan("gpt2", setup, gpu="A100-80GB")
     eight = plan("gpt2", replace(setup, optimizer="adamw8bit"), gpu="A100-80GB")
     assert foreach.bytes["optimizer_temporaries"] > 0 and eight.bytes["optimizer_temporaries"] == 0
-    assert sum(foreach.bytes[c] for c in memory.CATEGORIES if c != "total") == foreach.total
+    assert sum(foreach.bytes[c] for c in planner.CATEGORIES if c != "total") == foreach.total
     qlora = dict(precision="fp16", lora_rank=16, quant="nf4-dq", batch=1, seq=128, checkpointing="every-layer",
                  optimizer="adamw8bit")
     plain = plan("llama-3.2-1b", gpu="t4", prepare_kbit=False, **qlora)
     prepared = plan("llama-3.2-1b", gpu="t4", prepare_kbit=True, **qlora)
     assert prepared.total > plain.total and prepared.detail["autocast_copies"] > 0 == plain.detail["autocast_copies"]
-    trick = plan("llama-3.1-8b", memory.Setup(precision="mixed-fp16", batch=16, seq=512), gpu="t4").tricks[-1]
+    trick = plan("llama-3.1-8b", planner.Setup(precision="mixed-fp16", batch=16, seq=512), gpu="t4").tricks[-1]
     assert "prepare_model_for_kbit_training" in trick.name and trick.setup.prepare_kbit
 
 
@@ -494,7 +494,7 @@ def _autocast_cases():
 def test_meta_autocast_casts_each_op_as_cpu_autocast_does(dtype):
     """The emulation on meta tensors gives every op the dtype that torch.autocast("cpu") gives it on real
     ones, casts included (a cast op changes the dtype; an unlisted op keeps what it is given)."""
-    from course_lib.memory.autocast import MetaAutocast
+    from course_lib.planner.trace.autocast import MetaAutocast
 
     def inputs(device):
         torch.manual_seed(0)
@@ -515,7 +515,7 @@ def test_meta_autocast_casts_each_op_as_cpu_autocast_does(dtype):
 
 def test_meta_autocast_caches_one_copy_of_each_trained_weight_and_recasts_frozen_ones():
     """autocast_mode.cpp's cached_cast: an fp32 leaf that requires grad is cast once per region."""
-    from course_lib.memory.autocast import MetaAutocast
+    from course_lib.planner.trace.autocast import MetaAutocast
 
     copies = []
     trained = torch.nn.Parameter(torch.randn(6, 8, device="meta"))
@@ -543,7 +543,7 @@ def test_amp_trace_caches_a_16_bit_copy_of_every_linear_weight():
     norms: 2 bytes for each of their parameters, held by the cache through the forward."""
     config = _tiny_llama()
     spec = spec_from_model(build_model(config), "tiny-llama", config)
-    trace = memory.trace_step(spec, Setup(precision="amp-bf16", batch=2, seq=96))
+    trace = planner.trace_step(spec, Setup(precision="amp-bf16", batch=2, seq=96))
     assert sum(trace.autocast_cached) + trace.autocast_cached_outside == \
         2 * sum(p.numel for p in spec.params if p.module == "linear")
     assert len(set(trace.autocast_cached)) == 1 and trace.autocast_cached_outside > 0  # each layer's, the output layer's
@@ -601,7 +601,7 @@ def test_megatrons_main_gradient_recipes_are_its_18_and_20_bytes(precision, per_
 def test_transformers_adafactor_keeps_fp32_state_for_16_bit_adapters_too():
     """transformers' Adafactor keeps its statistics in fp32 whatever the parameter's dtype, as the full
     fine-tune plans it: bf16 adapters (peft's autocast_adapter_dtype=False) get the same state as fp32 ones."""
-    from course_lib.memory.states import model_states
+    from course_lib.planner.states.model_states import model_states
     from course_lib.models import model_spec
 
     spec = model_spec("llama-3.2-1b")

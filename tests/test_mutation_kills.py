@@ -20,12 +20,12 @@ from course_lib.accumulation import TokenLoss
 from course_lib.accumulation.loop import AccumulationLoop
 from course_lib.checkpointing import named_plan, plan_cost, segments_plan
 from course_lib.checks import CheckFailed
-from course_lib.exercises.restore import identify
+from course_lib.grading.restore import identify
 from course_lib.measure import LiveStorageTracker, MiB
-from course_lib.memory import GPUS, plan
-from course_lib.memory.fit import _candidate_tricks
-from course_lib.memory.setup import Setup
-from course_lib.memory.sharded import PARTITIONED, zero1_partition
+from course_lib.planner import GPUS, plan
+from course_lib.planner.search.fit import _candidate_tricks
+from course_lib.planner.config.setup import Setup
+from course_lib.planner.parallel.sharded import PARTITIONED, zero1_partition
 from course_lib.qlora.recipe import Recipe, RecipeError
 from course_lib.toolbox.activation_offload import transfer_seconds
 from course_lib.toolbox.chunked_loss import chunked_cross_entropy

@@ -9,8 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.exercises import as_jupyterlab_saves, shown_widget_models
-from course_lib.exercises.kernelspec import WIDGET_STATE
+from course_lib.grading import as_jupyterlab_saves, shown_widget_models
+from course_lib.grading.kernelspec import WIDGET_STATE
 
 ROOT = Path(__file__).resolve().parents[1]
 EXECUTED = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions") for p in (ROOT / folder).glob("*.ipynb"))

@@ -1,7 +1,7 @@
-"""The planner's closing line when nothing makes a step fit on one GPU (course_lib.memory.elsewhere, lesson 1)."""
+"""The planner's closing line when nothing makes a step fit on one GPU (course_lib.planner.search.elsewhere, lesson 1)."""
 
-from course_lib.memory import plan
-from course_lib.memory.gpus import GPUS
+from course_lib.planner import plan
+from course_lib.planner.config.gpus import GPUS
 
 
 def test_seventy_b_qlora_on_a_t4_ends_with_where_it_would_fit():

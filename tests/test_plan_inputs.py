@@ -6,7 +6,7 @@ import json
 import pytest
 
 from course_lib import cli, model_config
-from course_lib.memory import PlanError, plan
+from course_lib.planner import PlanError, plan
 from course_lib.models import CONFIG_DIR, PUBLISHED_PARAMETERS
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig
 
 from course_lib.measure import measure_step
-from course_lib.memory import Setup, plan
+from course_lib.planner import Setup, plan
 from course_lib.models import build_model, legacy_causal_lm_loss, spec_from_model
 
 VOCAB = 8192  # a large vocabulary next to the width: the logits matter, as Llama-3's 128k do

@@ -1,11 +1,11 @@
-"""Mixture-of-experts models in transformers 5 (course_lib.memory.moe): QLoRA of Mixtral and Qwen3-MoE, whose
+"""Mixture-of-experts models in transformers 5 (course_lib.planner.trace.moe): QLoRA of Mixtral and Qwen3-MoE, whose
 experts are 3-D parameters that bitsandbytes leaves unquantized, planned or refused in one line."""
 
 import pytest
 
 from course_lib import cli
-from course_lib.memory import PlanError, plan
-from course_lib.memory.states import nf4_bytes
+from course_lib.planner import PlanError, plan
+from course_lib.planner.states.model_states import nf4_bytes
 from course_lib.models import model_spec
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -8,7 +8,7 @@ from transformers import AutoConfig
 
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.measure import measure_step
-from course_lib.memory import Setup, plan
+from course_lib.planner import Setup, plan
 from course_lib.models import build_model, spec_from_model
 
 
@@ -31,9 +31,9 @@ def test_a_recomputed_layers_backward_temporaries_are_predicted():
 
 
 def test_fed_its_climbs_the_cost_model_gives_the_traced_backward_peak_without_checkpointing():
-    from course_lib.memory.compose import shallow_spec
+    from course_lib.planner.trace.compose import shallow_spec
     from course_lib import checkpointing
-    from course_lib.memory.trace import _trace
+    from course_lib.planner.trace.step import _trace
     from course_lib.models import model_spec
 
     def cost_model_peak(trace, with_grads):  # what the planner feeds lesson 3's cost model for a plan

@@ -12,7 +12,7 @@ import torch
 from course_lib import cli
 from course_lib.checkpointing import tiny_decoder
 from course_lib.measure import measure_step, optimizer_state_tensors, storage_bytes
-from course_lib.memory import PlanError, Setup, plan
+from course_lib.planner import PlanError, Setup, plan
 from course_lib.models import spec_from_model
 from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, chunked_causal_lm_loss,
                                embeddings_in_32_bits)

@@ -90,7 +90,7 @@ def test_sharding_bars_stack_to_each_peak_with_the_legend_clear_of_the_axes():
 
 
 def test_recipe_phases_stack_each_phase_to_what_is_live_then_and_outline_the_peak():
-    from course_lib.memory import plan
+    from course_lib.planner import plan
 
     plans = {"one micro-batch": plan("gpt2", precision="fp32", batch=1, seq=64, suggest=False),
              "accumulating": plan("gpt2", precision="fp32", batch=1, seq=64, accum=2, suggest=False)}

@@ -14,7 +14,7 @@ import torch
 
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
-from course_lib.memory import Setup, plan
+from course_lib.planner import Setup, plan
 from course_lib.models import build_model, spec_from_model
 
 ROOT = Path(__file__).resolve().parents[1]

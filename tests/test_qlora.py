@@ -151,7 +151,7 @@ def test_planner_within_ten_percent_and_tricks_save_memory(config):
 def test_rows_that_cannot_run_on_the_gpu_say_why(config, monkeypatch):
     """On CUDA a recipe predicted not to fit is skipped, and an out-of-memory error becomes a row: the
     control flow, checked on the CPU with the CUDA calls replaced."""
-    from course_lib.memory import GPU, get_gpu
+    from course_lib.planner import GPU, get_gpu
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**40, 2**40))
     tiny = GPU("tiny", 2**20, (7, 5))  # 1 MiB: less than the CUDA context the planner adds
@@ -170,7 +170,7 @@ def test_rows_that_cannot_run_on_the_gpu_say_why(config, monkeypatch):
 
 
 def test_gpu_settings_need_cuda(config):
-    from course_lib.memory import get_gpu
+    from course_lib.planner import get_gpu
 
     with pytest.raises(ValueError, match="needs device='cuda'"):
         qlora.measure_recipe(config, qlora.Recipe(), "cpu", gpu=get_gpu("t4"))
@@ -284,7 +284,7 @@ def test_a_shared_checkpoint_with_only_its_config_is_written_again_whole(config,
 
 def test_the_skip_gate_counts_the_cuda_context_once(config, monkeypatch):
     """CUDA's free memory is after the context: it is compared with the plan without its context."""
-    from course_lib.memory import GPU
+    from course_lib.planner import GPU
 
     row_of = {}
     monkeypatch.setattr(qlora.measuring, "_measure", lambda *args, **kw: row_of.setdefault("ran", args[6]))
@@ -300,7 +300,7 @@ def test_the_skip_gate_counts_the_cuda_context_once(config, monkeypatch):
 
 def test_a_cuda_row_carries_the_planners_reserved_prediction_beside_the_measured_one(config, monkeypatch):
     """The GPU check records max_memory_reserved beside the planner's reserved figure for each row."""
-    from course_lib.memory import GPU
+    from course_lib.planner import GPU
 
     seen = {}
     monkeypatch.setattr(qlora.measuring, "_measure", lambda *args, **kw: seen.update(kw) or "measured")

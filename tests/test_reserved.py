@@ -1,4 +1,4 @@
-"""The planner's reserved memory and OOM line (course_lib.memory.reserved): the traced step's allocation
+"""The planner's reserved memory and OOM line (course_lib.planner.allocator.reserved): the traced step's allocation
 stream, the reserve beyond the allocated bytes, the cuBLAS workspaces, the verdict against what CUDA
 reports as the card's memory, and what `course-lib plan` prints and `--json` carries."""
 
@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import cli, memory
+from course_lib import cli, planner
 from course_lib.caching_allocator import MiB, replay
 from course_lib.measure import GiB, LiveStorageTracker
-from course_lib.memory.deep_stream import live_peak
-from course_lib.memory.reserved import (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, AllocationStream,
+from course_lib.planner.trace.deep_stream import live_peak
+from course_lib.planner.allocator.reserved import (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, AllocationStream,
                                         cublas_workspaces, stream_slack)
-from course_lib.memory.trace import _trace
+from course_lib.planner.trace.step import _trace
 from course_lib.models import model_spec
 
 
@@ -37,7 +37,7 @@ def test_the_stream_records_every_allocation_and_its_free():
 
 def test_a_stream_replayed_peaks_at_the_trackers_peak_rounded():
     spec = model_spec("gpt2")
-    setup = memory.Setup(precision="amp-fp16", seq=128).validate()
+    setup = planner.Setup(precision="amp-fp16", seq=128).validate()
     trace = _trace(spec, setup, "cuda")
     stream, peak = list(trace.stream), live_peak(list(trace.stream))
     stats = replay(stream)
@@ -52,7 +52,7 @@ def test_a_stream_replayed_peaks_at_the_trackers_peak_rounded():
 
 def test_the_workspaces_are_larger_on_compute_capability_9_0():
     assert CUBLAS_WORKSPACE == 8 * MiB + 128 * 1024 and CUBLAS_WORKSPACE_SM90 == 32 * MiB
-    t4, h100 = memory.get_gpu("t4"), memory.get_gpu("h100")
+    t4, h100 = planner.get_gpu("t4"), planner.get_gpu("h100")
     assert sum(cublas_workspaces(h100)) > sum(cublas_workspaces(t4)) > 2 * CUBLAS_WORKSPACE
 
 
@@ -62,7 +62,7 @@ def test_the_workspaces_are_larger_on_compute_capability_9_0():
     ("llama-3.2-1b", dict(precision="mixed-bf16", optimizer="paged_adamw8bit", batch=2, seq=256)),
 ])
 def test_reserved_covers_allocated_and_the_workspaces(name, options):
-    plan = memory.plan(name, memory.Setup(**options), gpu="h100", suggest=False)
+    plan = planner.plan(name, planner.Setup(**options), gpu="h100", suggest=False)
     line = plan.oom_line
     allocated = plan.total - plan.bytes["overhead"]
     assert line.allocated == allocated
@@ -73,24 +73,24 @@ def test_reserved_covers_allocated_and_the_workspaces(name, options):
 
 
 def test_without_a_gpu_there_is_no_reserved_prediction():
-    plan = memory.plan("gpt2", memory.Setup(), suggest=False)
+    plan = planner.plan("gpt2", planner.Setup(), suggest=False)
     assert plan.reserved is None and plan.to_dict()["reserved"] is None and "reserved" not in str(plan)
 
 
 def test_the_verdict_is_against_cudas_capacity_not_nvidia_smis():
-    t4 = memory.get_gpu("t4")
+    t4 = planner.get_gpu("t4")
     assert t4.cuda_memory_bytes < t4.memory_bytes
-    plan = memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu="t4", suggest=False)
+    plan = planner.plan("gpt2", planner.Setup(precision="amp-fp16"), gpu="t4", suggest=False)
     used, held = plan.oom_line.nvidia_smi, plan.oom_line.held + plan.oom_line.context
     # nvidia-smi's total would hold the step; CUDA's does not hold even its allocations
     between = replace(t4, name="between", memory_bytes=used + 64 * MiB, cuda_memory_bytes=held - MiB)
-    tight = memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu=between, suggest=False)
+    tight = planner.plan("gpt2", planner.Setup(precision="amp-fp16"), gpu=between, suggest=False)
     assert not tight.fits and not tight.oom_line.retries
     roomy = replace(between, cuda_memory_bytes=used + 32 * MiB)
-    line = memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu=roomy, suggest=False).oom_line
+    line = planner.plan("gpt2", planner.Setup(precision="amp-fp16"), gpu=roomy, suggest=False).oom_line
     assert line.fits and not line.retries
     assert "(CUDA's 14.74 GiB)" in plan.verdict()
-    unsourced = memory.plan("gpt2", memory.Setup(precision="amp-fp16"), gpu="a100-80gb", suggest=False)
+    unsourced = planner.plan("gpt2", planner.Setup(precision="amp-fp16"), gpu="a100-80gb", suggest=False)
     assert "(nvidia-smi's 80.00 GiB)" in unsourced.verdict()
 
 
@@ -106,9 +106,9 @@ def test_a_step_after_empty_cache_finds_only_what_lives_on():
 @pytest.mark.parametrize("checkpointing", ["none", "every-layer"])
 def test_emptying_the_cache_each_step_changes_the_reserve_only(checkpointing):
     # peft's MetaMathQA run.py: torch.cuda.empty_cache() after every step (Llama-3.2-3B, LoRA r32 on q and v)
-    setup = memory.Setup(precision="bf16", lora_rank=32, lora_targets=("q_proj", "v_proj"), batch=4, seq=768,
+    setup = planner.Setup(precision="bf16", lora_rank=32, lora_targets=("q_proj", "v_proj"), batch=4, seq=768,
                          loop="keep-outputs", checkpointing=checkpointing)
-    kept, emptied = (memory.plan("llama-3.2-3b", replace(setup, empty_cache_each_step=flag), gpu="l40s", suggest=False)
+    kept, emptied = (planner.plan("llama-3.2-3b", replace(setup, empty_cache_each_step=flag), gpu="l40s", suggest=False)
                      for flag in (False, True))
     # only the reserve changes, and never up: the kept cache can hold the second step (every layer checkpointed:
     # the deep model's first step leaves blocks the second fits in)
@@ -126,7 +126,7 @@ def test_the_cli_prints_allocated_and_reserved_with_a_gpu_and_json_carries_both(
     assert cli.main(["plan", "gpt2", "--gpu", "t4", "--precision", "amp-fp16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["reserved"]["reserved_bytes"] >= data["reserved"]["allocated_bytes"] > 0
-    assert data["reserved"]["cuda_capacity_bytes"] == memory.get_gpu("t4").cuda_memory_bytes
+    assert data["reserved"]["cuda_capacity_bytes"] == planner.get_gpu("t4").cuda_memory_bytes
     assert cli.main(["plan", "gpt2", "--precision", "amp-fp16"]) == 0
     assert "reserved" not in capsys.readouterr().out
 
@@ -136,7 +136,7 @@ def _measured_slack(spec, setup, plan=None) -> int:
     tensor as the planner's trace records them (parameters and the batch left out), under a checkpoint
     `plan` applied by lesson 3's apply_plan, as the planner applies it."""
     from course_lib.checkpointing import apply_plan
-    from course_lib.memory.trace import _MetaTracer
+    from course_lib.planner.trace.step import _MetaTracer
     from course_lib.models import build_model, transformers_config
 
     torch.manual_seed(0)
@@ -157,7 +157,7 @@ def _measured_slack(spec, setup, plan=None) -> int:
 
 def _checkpointed_slack(spec, setup, target: str) -> int:
     """The checkpointed step's slack from its stream, past the disk cache of slacks."""
-    from course_lib.memory.checkpointed import checkpointed_stream
+    from course_lib.planner.trace.checkpointed import checkpointed_stream
 
     return stream_slack(*checkpointed_stream(spec, setup, target))
 
@@ -170,7 +170,7 @@ def test_the_checkpointed_steps_slack_is_the_real_checkpointed_steps(tmp_path):
 
     tiny_llama_config(vocab=1024).to_json_file(tmp_path / "config.json")
     spec = model_spec(str(tmp_path / "config.json"))
-    setup = memory.Setup(precision="fp32", batch=4, seq=256, checkpointing="every-layer").validate()
+    setup = planner.Setup(precision="fp32", batch=4, seq=256, checkpointing="every-layer").validate()
     checkpointed = _measured_slack(spec, setup, "every-layer")
     assert _checkpointed_slack(spec, setup, "cpu") == checkpointed
     assert abs(_measured_slack(spec, setup) - checkpointed) > MiB  # the plan changes the stream
@@ -180,13 +180,13 @@ def test_under_checkpointing_the_reserve_is_the_checkpointed_steps():
     """On a GPU a checkpointing plan's reserve holds the checkpointed step's slack, not the plain step's scaled
     down with the activations: the deep model's checkpointed stream (Llama-2-7B QLoRA at 4 x 2048, every layer
     checkpointed) replayed twice, which the plan's reserve holds beyond its allocations."""
-    from course_lib.memory.checkpointed import checkpointed_slack, checkpointed_stream
+    from course_lib.planner.trace.checkpointed import checkpointed_slack, checkpointed_stream
 
     spec = model_spec("llama-2-7b")
-    setup = memory.Setup(precision="bf16", lora_rank=64, quant="nf4", batch=4, seq=2048,
+    setup = planner.Setup(precision="bf16", lora_rank=64, quant="nf4", batch=4, seq=2048,
                          checkpointing="every-layer").validate()
     stream, peak = checkpointed_stream(spec, setup)
     slack = checkpointed_slack(spec, setup)
     assert slack == stream_slack(stream, peak) > 256 * MiB and peak == live_peak(stream)
-    on_gpu = memory.plan(spec, setup, gpu="rtx3090", suggest=False).oom_line
+    on_gpu = planner.plan(spec, setup, gpu="rtx3090", suggest=False).oom_line
     assert on_gpu.reserved - on_gpu.allocated >= slack  # the plain step's scaled down with the activations: 0.12 GiB

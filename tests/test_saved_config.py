@@ -61,7 +61,7 @@ def test_a_second_plan_imports_neither_transformers_nor_peft(capsys, monkeypatch
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
     argv = ["plan", "gpt2", "--gpu", "t4", "--lora-rank", "8", "--seq", "256"]
     models._cached_spec.cache_clear()
-    monkeypatch.setattr("course_lib.memory.trace._TRACES", {})
+    monkeypatch.setattr("course_lib.planner.trace.step._TRACES", {})
     assert cli.main(argv) == 0  # the first plan: read, built and traced here, kept in tmp_path
     first = capsys.readouterr().out
     models._cached_spec.cache_clear()

@@ -10,9 +10,9 @@ import torch
 
 from course_lib import cli
 from course_lib.checkpointing.demo_models import tiny_decoder
-from course_lib.memory import PlanError, offload_prediction, plan
-from course_lib.memory.fsdp import fsdp_fraction
-from course_lib.memory.sharded import zero1_partition
+from course_lib.planner import PlanError, offload_prediction, plan
+from course_lib.planner.parallel.fsdp import fsdp_fraction
+from course_lib.planner.parallel.sharded import zero1_partition
 from course_lib.models import spec_from_model
 from course_lib.sharding import STAGES, FSDPOptions, measure_sharding, run_ranks
 from course_lib.sharding.engines import wrap
@@ -395,7 +395,7 @@ def _states_by_kind(divide_weights_in_zero2=False, zero1_k=12, whole_weights_in_
 
 def _never(context=True, zero1_whole=4):
     def answer(n_params, stage, gpu):
-        from course_lib.memory import CUDA_CONTEXT_BYTES, get_gpu
+        from course_lib.planner import CUDA_CONTEXT_BYTES, get_gpu
         undivided = {"none": 16, "zero1": zero1_whole, "zero2": 2, "zero3": 0}[stage] * n_params
         return undivided + CUDA_CONTEXT_BYTES * context > get_gpu(gpu).memory_bytes
     return answer

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib import memory
+from course_lib import planner
 from course_lib.measure import LiveStorageTracker, optimizer_state_tensors, peak_bytes, storage_bytes
 from course_lib.qlora import tiny_llama_config
 from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, accumulation_breaks,
@@ -245,7 +245,7 @@ def test_measured_state_equals_the_planners(name):
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 7), torch.nn.LayerNorm(7))
     measured, per_param = bytes_per_parameter(model, name)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    predicted = memory.optimizer_state_bytes(name, [p.numel() for p in model.parameters()], 4, shapes)
+    predicted = planner.optimizer_state_bytes(name, [p.numel() for p in model.parameters()], 4, shapes)
     assert measured == predicted
     rows = state_tensors(stepped_optimizer(model, name), {p: n for n, p in model.named_parameters()})
     assert sum(row.bytes for row in rows) == measured

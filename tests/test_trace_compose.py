@@ -8,16 +8,16 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import memory
+from course_lib import planner
 from course_lib.models import bundled_models, model_spec
-from course_lib.memory import trace as memory_trace
-from course_lib.memory.compose import composed_trace, layer_period, shallow_spec
+from course_lib.planner.trace import step as memory_trace
+from course_lib.planner.trace.compose import composed_trace, layer_period, shallow_spec
 
 SETUPS = [  # (setup, target): full fine-tune; LoRA, eager attention, outputs kept; QLoRA, prepared base; amp
-    (memory.Setup(precision="mixed-bf16", batch=2, seq=64), "cpu"),
-    (memory.Setup(precision="fp16", lora_rank=8, batch=1, seq=48, attention="eager", loop="keep-outputs"), "cuda"),
-    (memory.Setup(precision="bf16", lora_rank=4, quant="nf4", prepare_kbit=True, batch=3, seq=32), "cuda"),
-    (memory.Setup(precision="amp-bf16", batch=2, seq=32), "cuda"),  # the Trainer's autocast, CUDA's op lists
+    (planner.Setup(precision="mixed-bf16", batch=2, seq=64), "cpu"),
+    (planner.Setup(precision="fp16", lora_rank=8, batch=1, seq=48, attention="eager", loop="keep-outputs"), "cuda"),
+    (planner.Setup(precision="bf16", lora_rank=4, quant="nf4", prepare_kbit=True, batch=3, seq=32), "cuda"),
+    (planner.Setup(precision="amp-bf16", batch=2, seq=32), "cuda"),  # the Trainer's autocast, CUDA's op lists
 ]
 
 
@@ -40,7 +40,7 @@ def test_gemma_2_alternates_two_layer_types_and_shallow_models_are_traced_in_ful
     assert layer_period(model_spec("gemma-2-2b").config) == 2
     assert layer_period(model_spec("llama-3.2-1b").config) == 1
     spec = model_spec("gpt2")
-    assert composed_trace(shallow_spec(spec, 5), memory.Setup(seq=16), "cpu", memory_trace._trace) is None
+    assert composed_trace(shallow_spec(spec, 5), planner.Setup(seq=16), "cpu", memory_trace._trace) is None
 
 
 def test_five_sliding_layers_to_one_global_are_composed_with_their_period():
@@ -53,7 +53,7 @@ def test_five_sliding_layers_to_one_global_are_composed_with_their_period():
     config = AutoConfig.for_model("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=36,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
                                   sliding_window=8)
-    spec, setup, depths = spec_from_model(build_model(config), "tiny-gemma-3", config), memory.Setup(seq=32), []
+    spec, setup, depths = spec_from_model(build_model(config), "tiny-gemma-3", config), planner.Setup(seq=32), []
 
     def counted(spec, setup, target):
         depths.append(spec.n_layers)
@@ -67,7 +67,7 @@ def test_layers_that_do_not_repeat_are_traced_in_full():
     spec = shallow_spec(model_spec("llama-3.2-1b"), 6)
     spec.config.layer_types = ["full_attention"] * 5 + ["sliding_attention"]
     assert layer_period(spec.config) is None
-    assert composed_trace(spec, memory.Setup(seq=16), "cpu", memory_trace._trace) is None
+    assert composed_trace(spec, planner.Setup(seq=16), "cpu", memory_trace._trace) is None
 
 
 @pytest.fixture
@@ -86,10 +86,10 @@ def traced(monkeypatch) -> list:
 
 
 def test_the_planner_uses_the_fast_path_for_a_deep_model(traced):
-    memory.plan("llama-2-70b", seq=32)
+    planner.plan("llama-2-70b", seq=32)
     assert [spec.n_layers for spec, _ in traced] == [3, 4]  # never the 80 layers
     traced.clear()
-    memory.plan("gemma-2-2b", seq=32, attention="eager")
+    planner.plan("gemma-2-2b", seq=32, attention="eager")
     # its sliding and global layers keep the same bytes: not the 6 and 8 of period 2
     assert [spec.n_layers for spec, _ in traced] == [3, 4]
 
@@ -97,12 +97,12 @@ def test_the_planner_uses_the_fast_path_for_a_deep_model(traced):
 def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(memory_trace, "_TRACES", {})
-    setup = memory.Setup(lora_rank=4, seq=32)
-    first = memory.plan("llama-3.2-1b", setup)
+    setup = planner.Setup(lora_rank=4, seq=32)
+    first = planner.plan("llama-3.2-1b", setup)
     assert len(list(tmp_path.glob("trace-*.json"))) == 1
     monkeypatch.setattr(memory_trace, "_TRACES", {})
     monkeypatch.setattr(memory_trace, "_trace", lambda *args: pytest.fail("traced again"))
-    assert memory.plan("llama-3.2-1b", setup).bytes == first.bytes
+    assert planner.plan("llama-3.2-1b", setup).bytes == first.bytes
 
 
 def test_a_refusal_kept_on_disk_is_not_traced_again(monkeypatch, tmp_path):
@@ -110,13 +110,13 @@ def test_a_refusal_kept_on_disk_is_not_traced_again(monkeypatch, tmp_path):
     same line, without building the model: "what makes it fit" tries it for every plan of the model."""
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(memory_trace, "_TRACES", {})
-    setup = memory.Setup(precision="bf16", lora_rank=16, seq=64)
-    with pytest.raises(memory.PlanError) as first:
-        memory.plan("mixtral-8x7b", setup)
+    setup = planner.Setup(precision="bf16", lora_rank=16, seq=64)
+    with pytest.raises(planner.PlanError) as first:
+        planner.plan("mixtral-8x7b", setup)
     monkeypatch.setattr(memory_trace, "_TRACES", {})
     monkeypatch.setattr(memory_trace, "_build_traced_model", lambda *args: pytest.fail("built again"))
-    with pytest.raises(memory.PlanError) as again:
-        memory.plan("mixtral-8x7b", setup)
+    with pytest.raises(planner.PlanError) as again:
+        planner.plan("mixtral-8x7b", setup)
     assert str(again.value) == str(first.value) and "experts is not modelled" in str(first.value)
 
 
@@ -137,8 +137,8 @@ def test_precisions_of_the_same_dtypes_share_one_trace(traced):
     """bf16, mixed-bf16 and mixed-bf16-fp32grads run the same 16-bit step: traced once; amp-bf16 (fp32 weights
     under autocast) is another step, and so is the step in backward, whose temporaries follow the recipe."""
     for precision in ("bf16", "mixed-bf16", "mixed-bf16-fp32grads", "amp-bf16"):
-        memory.plan("gpt2", precision=precision, seq=32)
-    memory.plan("gpt2", precision="bf16", seq=32, optimizer_in_backward=True)
-    memory.plan("gpt2", precision="mixed-bf16", seq=32, optimizer_in_backward=True)
+        planner.plan("gpt2", precision=precision, seq=32)
+    planner.plan("gpt2", precision="bf16", seq=32, optimizer_in_backward=True)
+    planner.plan("gpt2", precision="mixed-bf16", seq=32, optimizer_in_backward=True)
     # gpt2's 12 layers composed from 3 and 4
     assert [setup.precision for _, setup in traced] == ["bf16"] * 2 + ["amp-bf16"] * 2 + ["bf16"] * 2 + ["mixed-bf16"] * 2

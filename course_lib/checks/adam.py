@@ -8,7 +8,7 @@ import torch
 
 import course_lib
 from course_lib.checks.hints import passed, refuse_reference
-from course_lib.memory import BNB_QMAPS_BYTES, optimizer_state_bytes, plan
+from course_lib.planner import BNB_QMAPS_BYTES, optimizer_state_bytes, plan
 
 __all__ = ["check_model_state_bytes", "check_adamw8bit_state_bytes"]
 

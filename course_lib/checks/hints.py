@@ -9,7 +9,7 @@
   the library's own implementation of what the exercise asks (a module or package, or named functions
   or classes), the very thing the check compares the answer with. Name `course_lib` itself to refuse a
   call into any of the library (where one answer is implemented in several places: lesson 1's 8-bit
-  layout is in `course_lib.memory` and in `course_lib.paging.trace`); the checks' own code never counts.
+  layout is in `course_lib.planner` and in `course_lib.paging.trace`); the checks' own code never counts.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _codes(reference) -> dict[types.CodeType, str]:
 
 @contextmanager
 def refuse_reference(*references, instead: str = "work it out yourself"):
-    """Run the learner's answer inside `with refuse_reference(course_lib.memory): ...`: if the answer
+    """Run the learner's answer inside `with refuse_reference(course_lib.planner): ...`: if the answer
     called the library's reference that the check compares with (any function of a module or package
     named, or one of the functions or classes named), the check fails with a hint that says so. A call
     is seen however the function was imported, and in any thread the answer starts (a ThreadPoolExecutor,

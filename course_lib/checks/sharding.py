@@ -5,12 +5,12 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from course_lib import memory
+from course_lib import planner
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.checks.hints import passed, refuse_reference
-from course_lib.memory import CUDA_CONTEXT_BYTES, Setup, get_gpu, plan
-from course_lib.memory.prediction import predict
-from course_lib.memory.setup import SHARDS
+from course_lib.planner import CUDA_CONTEXT_BYTES, Setup, get_gpu, plan
+from course_lib.planner.predict import predict
+from course_lib.planner.config.setup import SHARDS
 from course_lib.sharding import STAGES, measure_sharding
 
 __all__ = ["check_model_states_per_gpu", "check_fewest_gpus", "check_never_fits", "check_bytes_sent"]
@@ -33,7 +33,7 @@ def check_model_states_per_gpu(model_states_per_gpu) -> None:
         for gpus in (1, 8, 64, 3):
             for stage in SHARDS:
                 expected = _by_kind(plan(n_params, precision="mixed-bf16", optimizer="adamw", gpus=gpus, shard=stage))
-                with refuse_reference(memory, instead="add up the bytes each GPU keeps yourself"):
+                with refuse_reference(planner, instead="add up the bytes each GPU keeps yourself"):
                     got = model_states_per_gpu(n_params, gpus, stage)
                 case = f"{n_params:,} parameters on {gpus} GPUs, {stage}"
                 assert isinstance(got, dict) and set(got) == set(_KINDS), (
@@ -113,7 +113,7 @@ def check_never_fits(never_fits) -> None:
         card = get_gpu(gpu)
         expected = not plan(n_params, precision="mixed-bf16" if card.bf16 else "mixed-fp16", gpus=4096, shard=stage,
                             gpu=gpu, suggest=False).fits
-        with refuse_reference(memory.plan, predict, instead="reason from what the stage leaves whole on every GPU"):
+        with refuse_reference(planner.plan, predict, instead="reason from what the stage leaves whole on every GPU"):
             got = never_fits(n_params, stage, gpu)
         case = f"{n_params:,} parameters, {stage}, on {gpu}"
         assert isinstance(got, bool), f"{case}: return True or False, got {got!r}"

@@ -173,7 +173,7 @@ class TrainingSetup:
     """What one training step holds (lesson 4): the parameters, the optimizer, bytes of a gradient
     per element, activations per token, and FLOPs per token (default 6 per parameter).
 
-    The lesson-1 planner (`course_lib.memory`) can supply `activation_bytes_per_token` (and the
+    The lesson-1 planner (`course_lib.planner`) can supply `activation_bytes_per_token` (and the
     parameter list); here they come from shapes or from a module's parameters.
     """
 

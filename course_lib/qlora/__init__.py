@@ -13,7 +13,7 @@ checkpoint, the model, the data), `training` (the Trainer), `measuring` (one rec
 the planner's prediction), `ablation` (each trick off in turn), `gpu_rows` (each CUDA measurement in a
 process of its own, the T4 emulation, `expandable_segments`, matmul rates). Lesson 5 stacks the
 lessons before it and holds the planner's prediction beside each measured peak, so this package sits
-above the planner (`course_lib.memory`), not beside the other lesson topics (CONTRIBUTING.md).
+above the planner (`course_lib.planner`), not beside the other lesson topics (CONTRIBUTING.md).
 """
 
 from course_lib.qlora.ablation import ablation, format_ablation

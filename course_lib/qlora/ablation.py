@@ -8,7 +8,7 @@ import torch
 from course_lib.errors import UserError
 from course_lib.device import DtypePolicy
 from course_lib.measure import format_bytes
-from course_lib.memory import GPU
+from course_lib.planner import GPU
 from course_lib.qlora.gpu_rows import isolated_rows
 from course_lib.qlora.measuring import Row, measure_recipe
 from course_lib.qlora.recipe import Recipe, valid_recipe

@@ -19,7 +19,7 @@ import torch
 from course_lib.errors import UserError
 from course_lib import isolate
 from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
-from course_lib.memory import CUDA_CONTEXT_BYTES, GPU, get_gpu
+from course_lib.planner import CUDA_CONTEXT_BYTES, GPU, get_gpu
 from course_lib.checkpointing import assert_gradients_flow
 from course_lib.qlora.building import build_model, checkpoint_dir, counting_dataset, llama_1b_config, quiet, \
     tiny_llama_config

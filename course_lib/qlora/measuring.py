@@ -1,6 +1,6 @@
 """A recipe measured beside the planner's prediction of it: peak memory of one whole optimizer step and
 its time (lesson 5, "what each trick buys"). Memory is measured by `course_lib.measure` (its
-live-storage tracker, or CUDA's allocator statistics) and predicted by `course_lib.memory.plan`: this
+live-storage tracker, or CUDA's allocator statistics) and predicted by `course_lib.planner.plan`: this
 module writes neither a measurer nor a planner."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from course_lib.errors import UserError
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.measure import optimizer_state_tensors, peak_bytes
-from course_lib.memory import GPU, Setup, plan
+from course_lib.planner import GPU, Setup, plan
 from course_lib.models import build_model as meta_model, spec_from_model
 from course_lib.paging import make_optimizer as lesson4_optimizer, release_cuda_memory
 from course_lib.qlora.building import build_model, quiet
@@ -44,7 +44,7 @@ def planner_setup(recipe: Recipe, policy: DtypePolicy) -> Setup:
 
 
 def predict(config, recipe: Recipe, policy: DtypePolicy | None = None, gpu=None):
-    """The planner's prediction for a recipe (`course_lib.memory.plan`), as a Plan (lesson 5)."""
+    """The planner's prediction for a recipe (`course_lib.planner.plan`), as a Plan (lesson 5)."""
 
     policy = policy or dtype_policy(torch.device("cpu"))
     spec = spec_from_model(meta_model(config), getattr(config, "model_type", "model"), config)

@@ -51,7 +51,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     `recompute=False`: the chunks without `torch.utils.checkpoint`, so that forward keeps each chunk's
     fp32 log-softmax for backward (lesson 7 measures what chunking alone buys). `recompute_context`: a
     context each chunk's recompute in backward runs under (checkpoint's `context_fn`): torch restores
-    `torch.autocast` there itself; the planner's autocast on the meta device (course_lib.memory.autocast)
+    `torch.autocast` there itself; the planner's autocast on the meta device (course_lib.planner.trace.autocast)
     is a TorchFunctionMode, which it does not.
     """
     chunk_size = validate.positive_int("chunk_size", chunk_size)

@@ -35,7 +35,7 @@ def _adamw8bit(params):
     return bnb.optim.AdamW8bit(params, lr=1e-3)
 
 
-# name -> (what it is, factory); the names are the planner's (course_lib.memory.OPTIMIZERS)
+# name -> (what it is, factory); the names are the planner's (course_lib.planner.OPTIMIZERS)
 LEAN_OPTIMIZERS: dict[str, tuple[str, Callable]] = {
     "sgd": ("torch SGD", lambda ps: torch.optim.SGD(ps, lr=1e-3)),
     "momentum": ("torch SGD, momentum 0.9", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)),
