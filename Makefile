@@ -1,7 +1,7 @@
 # The course's two commands (README, "Quick start"):
 #   make lab    set up .venv if needed, then open the course in JupyterLab
-#   make test   set up .venv if needed, then run the whole test suite (what CI runs), then the floors'
-#               run (make test-floors)
+#   make test   set up .venv if needed, lint (ruff), then run the whole test suite (what CI runs), then
+#               the floors' run (make test-floors)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -30,6 +30,8 @@ lab: $(READY)
 	$(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_measuring_memory.ipynb $(ROOT_ARGS) $(LAB_ARGS)
 
 test: $(READY)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) test-floors
 

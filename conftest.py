@@ -30,7 +30,18 @@ def tiny_config(tmp_path_factory) -> str:
     """The path of a config.json of a 2-layer Llama 32 wide: a model the planner traces in a fraction of a
     second (tests/test_bad_input.py, tests/test_fuzz.py)."""
     path = tmp_path_factory.mktemp("tiny_config") / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                "vocab_size": 64, "max_position_embeddings": 128}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": 64,
+                "max_position_embeddings": 128,
+            }
+        )
+    )
     return str(path)

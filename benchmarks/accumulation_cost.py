@@ -36,11 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default=str(Path(__file__).with_suffix(".png")), help="where to write the plot")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = measure_accumulation_cost(args.effective_batch, args.micro_batches, width=args.width, depth=args.depth,
-                                     seq_len=args.seq_len, repeats=args.repeats, device=device)
+    rows = measure_accumulation_cost(
+        args.effective_batch,
+        args.micro_batches,
+        width=args.width,
+        depth=args.depth,
+        seq_len=args.seq_len,
+        repeats=args.repeats,
+        device=device,
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"effective batch {args.effective_batch} sequences of {args.seq_len} x {args.width}, "
-          f"{args.depth}-block MLP, AdamW, on {name}")
+    print(
+        f"effective batch {args.effective_batch} sequences of {args.seq_len} x {args.width}, "
+        f"{args.depth}-block MLP, AdamW, on {name}"
+    )
     print(format_cost_table(rows))
     if args.plot:
         import matplotlib

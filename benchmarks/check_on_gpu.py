@@ -32,7 +32,7 @@ from results_io import read_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-KILL_WAIT = 10   # seconds to wait for a part killed at its limit to end (a process stuck in the driver may not)
+KILL_WAIT = 10  # seconds to wait for a part killed at its limit to end (a process stuck in the driver may not)
 # (name, seconds, command, pages): in this order. Each command gets the JSON path for its figures last;
 # "{scratch}" is the run's scratch folder. pages: "never" (no managed memory beyond a few hundred MiB),
 # "rows" (the part runs only its rows that stay under the free memory, every row with --oversubscribe),
@@ -46,21 +46,29 @@ PARTS = [
     ("bandwidth-probe", 25, [PY, "benchmarks/gpu_paging.py", "--part", "bandwidth", "--json"], "never"),
     # lessons 7 and 6 top to bottom with their %%gpu_only cells (activation offload; FSDP2's CPU
     # offload), which have never run on a GPU
-    ("lesson-7-on-cuda", 100, [PY, "benchmarks/gpu_lessons.py", "notebooks/07_the_rest_of_the_toolbox.ipynb", "--json"],
-     "never"),
+    (
+        "lesson-7-on-cuda",
+        100,
+        [PY, "benchmarks/gpu_lessons.py", "notebooks/07_the_rest_of_the_toolbox.ipynb", "--json"],
+        "never",
+    ),
     ("lesson-6-on-cuda", 150, [PY, "benchmarks/gpu_lessons.py", "notebooks/06_sharding.ipynb", "--json"], "never"),
     ("paging-demo", 70, [PY, "benchmarks/gpu_paging.py", "--part", "demo", "--json"], "rows"),
-    ("paging-sweep", 40, [PY, "benchmarks/gpu_paging.py", "--part", "sweep", "--rates",
-                          "{scratch}/bandwidth-probe.json", "--json"], "rows"),
+    (
+        "paging-sweep",
+        40,
+        [PY, "benchmarks/gpu_paging.py", "--part", "sweep", "--rates", "{scratch}/bandwidth-probe.json", "--json"],
+        "rows",
+    ),
     ("eviction-probe", 35, [PY, "benchmarks/gpu_paging.py", "--part", "eviction", "--json"], "by design"),
     ("paging-spike", 35, [PY, "benchmarks/gpu_paging.py", "--part", "spike", "--json"], "by design"),
 ]
-PAGING_SCRIPT = "benchmarks/gpu_paging.py"   # its parts take --oversubscribe
+PAGING_SCRIPT = "benchmarks/gpu_paging.py"  # its parts take --oversubscribe
 
 
 def environment() -> dict:
     """Device name and versions; "cpu" when there is no CUDA (or no torch)."""
-    env = {"device": "cpu", "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    env = {"device": "cpu", "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     try:
         import torch
     except ImportError:
@@ -68,8 +76,11 @@ def environment() -> dict:
     env["torch"] = torch.__version__
     if not torch.cuda.is_available():
         return {**env, "reason": "no CUDA device"}
-    env.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda,
-               capability=list(torch.cuda.get_device_capability()))
+    env.update(
+        device=torch.cuda.get_device_name(),
+        cuda=torch.version.cuda,
+        capability=list(torch.cuda.get_device_capability()),
+    )
     for module in ("bitsandbytes", "transformers", "peft"):
         try:
             env[module] = __import__(module).__version__
@@ -77,8 +88,12 @@ def environment() -> dict:
             env[module] = f"not importable: {error!r}"[:200]
     if shutil.which("nvidia-smi"):
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             env["nvidia_smi"] = smi.stdout.strip()
         except subprocess.TimeoutExpired:
             env["nvidia_smi"] = "nvidia-smi did not answer in 20 s"
@@ -92,8 +107,11 @@ def part_plan(oversubscribe: bool) -> list[tuple[str, int, list[str], bool, str]
     for name, seconds, command, pages in PARTS:
         if PAGING_SCRIPT in command and oversubscribe:
             command = [*command[:-1], "--oversubscribe", command[-1]]
-        skip = ("oversubscribes managed memory by design: only with --oversubscribe, on your own GPU"
-                if pages == "by design" and not oversubscribe else "")
+        skip = (
+            "oversubscribes managed memory by design: only with --oversubscribe, on your own GPU"
+            if pages == "by design" and not oversubscribe
+            else ""
+        )
         plan.append((name, seconds, command, pages == "by design" or (pages == "rows" and oversubscribe), skip))
     return plan
 
@@ -106,16 +124,22 @@ def run_part(command: list[str], limit: float, figures: Path, log: Path) -> dict
     with open(log, "w") as out:
         # a session of its own, so that a part that runs out of time ends with its children (the
         # processes that hold paged state), not only itself
-        child = subprocess.Popen([*command, str(figures)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                 env={**os.environ, "GPU_CHECK_PART_SECONDS": f"{limit:.0f}"})  # a part may stop itself
+        child = subprocess.Popen(
+            [*command, str(figures)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "GPU_CHECK_PART_SECONDS": f"{limit:.0f}"},
+        )  # a part may stop itself
         try:
             child.wait(timeout=limit)
             entry["status"] = "ok" if child.returncode == 0 else f"failed (exit {child.returncode})"
         except subprocess.TimeoutExpired:
             entry["status"] = "timed out"
         try:
-            os.killpg(child.pid, signal.SIGKILL)   # the part itself, if it ran out of time, and anything it left
+            os.killpg(child.pid, signal.SIGKILL)  # the part itself, if it ran out of time, and anything it left
         except ProcessLookupError:
             pass
         try:
@@ -159,13 +183,23 @@ def run_parts(plan, report: dict, deadline: float, scratch: Path, save, on_cpu: 
 def main(argv: list[str] | None = None) -> int:
     started = float(os.environ.get("GPU_CHECK_STARTED") or time.time())
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 420)),
-                        help="seconds for the whole check, counted from gpu_check.sh's start (default 420)")
-    parser.add_argument("--oversubscribe", action="store_true",
-                        help="also run what asks for more managed memory than is free (your own GPU only: "
-                             "on some machines that can hang the GPU)")
-    parser.add_argument("--json", type=Path, default=Path(os.environ.get(
-        "GPU_CHECK_JSON", ROOT / "benchmarks" / "results" / "gpu_check.json")))
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=float(os.environ.get("GPU_CHECK_BUDGET", 420)),
+        help="seconds for the whole check, counted from gpu_check.sh's start (default 420)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="also run what asks for more managed memory than is free (your own GPU only: "
+        "on some machines that can hang the GPU)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=Path(os.environ.get("GPU_CHECK_JSON", ROOT / "benchmarks" / "results" / "gpu_check.json")),
+    )
     args = parser.parse_args(argv)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     report = {**environment(), "budget_s": args.budget, "oversubscribe": args.oversubscribe, "parts": {}}
@@ -176,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         if out_dir is not None:
             write_json(out_dir / "gpu_check.json", report)
 
-    print(f"gpu check on {report['device']} ({report.get('reason') or report.get('nvidia_smi', '')}); "
-          f"{time.time() - started:.0f} s of the {args.budget:.0f} s budget gone before the first part", flush=True)
+    print(
+        f"gpu check on {report['device']} ({report.get('reason') or report.get('nvidia_smi', '')}); "
+        f"{time.time() - started:.0f} s of the {args.budget:.0f} s budget gone before the first part",
+        flush=True,
+    )
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    run_parts(part_plan(args.oversubscribe), report, started + args.budget, scratch, save,
-              on_cpu=report["device"] == "cpu")
+    run_parts(
+        part_plan(args.oversubscribe), report, started + args.budget, scratch, save, on_cpu=report["device"] == "cpu"
+    )
     save()
     return 0
 

@@ -29,8 +29,17 @@ from dataclasses import asdict
 import torch
 
 from course_lib.checkpointing import (
-    apply_plan, default_plans, format_tradeoff, hf_checkpointing, measure_plan, measure_tradeoff, mlp_stack,
-    profile_stack, tiny_decoder, time_plans)
+    apply_plan,
+    default_plans,
+    format_tradeoff,
+    hf_checkpointing,
+    measure_plan,
+    measure_tradeoff,
+    mlp_stack,
+    profile_stack,
+    time_plans,
+    tiny_decoder,
+)
 from course_lib.measure import MiB, measure_step
 
 warnings.filterwarnings("ignore", message=".*(use_reentrant|deprecated).*")
@@ -70,14 +79,21 @@ def grads_equal(report: Report, device: torch.device, quick: bool) -> None:
             return out
 
         reference = grads()
-        for plan, policy in (([(0, 2), (3, 4)], "full"), ("sqrt", "full"), ([(0, 3)], "korthikanti"),
-                             ("every-2", "save-matmuls")):
+        for plan, policy in (
+            ([(0, 2), (3, 4)], "full"),
+            ("sqrt", "full"),
+            ([(0, 3)], "korthikanti"),
+            ("every-2", "save-matmuls"),
+        ):
             with apply_plan(model, plan, policy=policy):
                 got = grads()
             worst = max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(got, reference))
-            report.check(worst < 1e-4, f"{arch}: loss and gradients of plan {plan} ({policy}) equal the unchecked "
-                                       f"run (max relative difference {worst:.1e})")
-        del model
+            report.check(
+                worst < 1e-4,
+                f"{arch}: loss and gradients of plan {plan} ({policy}) equal the unchecked "
+                f"run (max relative difference {worst:.1e})",
+            )
+        model = None
 
 
 def tradeoffs(report: Report, device: torch.device, quick: bool, repeats: int) -> None:
@@ -87,14 +103,26 @@ def tradeoffs(report: Report, device: torch.device, quick: bool, repeats: int) -
     for act in ("relu", "gelu"):
         model = mlp_stack(16, width, act).to(device)
         x = torch.randn(batch, width, device=device)
-        cases.append((f"MLP 16 x (Linear {width} + {act}), batch {batch}", model,
-                      lambda model=model, x=x: model(x).pow(2).mean(), [x]))
+        cases.append(
+            (
+                f"MLP 16 x (Linear {width} + {act}), batch {batch}",
+                model,
+                lambda model=model, x=x: model(x).pow(2).mean(),
+                [x],
+            )
+        )
     hidden, seq, layers = (128, 256, 8) if quick else (1024, 2048, 16)
     for attn in ("sdpa", "eager"):
         model = tiny_decoder("llama", n_layers=layers, hidden=hidden, heads=8, attn_implementation=attn).to(device)
         ids = torch.randint(0, 512, (2, seq), device=device)
-        cases.append((f"Llama architecture, {layers} layers, hidden {hidden}, 2 x {seq} tokens, {attn}", model,
-                      lambda model=model, ids=ids: model(input_ids=ids, labels=ids).loss, [ids]))
+        cases.append(
+            (
+                f"Llama architecture, {layers} layers, hidden {hidden}, 2 x {seq} tokens, {attn}",
+                model,
+                lambda model=model, ids=ids: model(input_ids=ids, labels=ids).loss,
+                [ids],
+            )
+        )
     report.data["tradeoffs"] = []
     for name, model, loss_fn, inputs in cases:
         profile = profile_stack(model, loss_fn, inputs)
@@ -104,14 +132,18 @@ def tradeoffs(report: Report, device: torch.device, quick: bool, repeats: int) -
         by_plan = {r.plan: r for r in rows}
         report.check(worst <= 0.15, f"{name}: refined cost model within 15% of every plan (worst {worst:.1%})")
         sqrt = by_plan["sqrt"]
-        report.check(abs(sqrt.simple_error) <= 0.15,
-                     f"{name}: simple cost model within 15% on the sqrt plan ({sqrt.simple_error:+.1%})")
+        report.check(
+            abs(sqrt.simple_error) <= 0.15,
+            f"{name}: simple cost model within 15% on the sqrt plan ({sqrt.simple_error:+.1%})",
+        )
         if "gelu" in name:
-            report.check(sqrt.measured_peak < by_plan["every-layer"].measured_peak,
-                         f"{name}: sqrt plan measured below every-layer")
+            report.check(
+                sqrt.measured_peak < by_plan["every-layer"].measured_peak,
+                f"{name}: sqrt plan measured below every-layer",
+            )
         report.say()
         report.data["tradeoffs"].append({"name": name, "profile": asdict(profile), "rows": [asdict(r) for r in rows]})
-        del model, inputs
+        model = inputs = None
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
 
@@ -135,23 +167,31 @@ def one_liner_and_selective(report: Report, device: torch.device, quick: bool, r
         loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
         profile = profile_stack(model, loss_fn, [ids])
         plans = [("none", [], "full"), ("every-layer", "every-layer", "full")] + [
-            ("every-layer", "every-layer", policy) for policy in ("korthikanti", "save-matmuls", "save-all")]
-        rows = [measure_plan(model, loss_fn, [ids], plan, profile=profile, policy=policy, label=label, recompute=True)
-                for label, plan, policy in plans]
-        for row, seconds in zip(rows, time_plans(model, loss_fn, [(plan, policy) for _, plan, policy in plans],
-                                                 repeats=repeats)):
+            ("every-layer", "every-layer", policy) for policy in ("korthikanti", "save-matmuls", "save-all")
+        ]
+        rows = [
+            measure_plan(model, loss_fn, [ids], plan, profile=profile, policy=policy, label=label, recompute=True)
+            for label, plan, policy in plans
+        ]
+        for row, seconds in zip(
+            rows, time_plans(model, loss_fn, [(plan, policy) for _, plan, policy in plans], repeats=repeats)
+        ):
             row.step_seconds = seconds
         report.say(format_tradeoff(rows, f"selective policies, {attn}, 8 layers, hidden {hidden}, 2 x {seq} tokens"))
         none, full, korthikanti, matmuls, save_all = rows
-        report.check(full.measured_peak < korthikanti.measured_peak < none.measured_peak,
-                     f"{attn}: peak full < korthikanti < none")
+        report.check(
+            full.measured_peak < korthikanti.measured_peak < none.measured_peak,
+            f"{attn}: peak full < korthikanti < none",
+        )
         report.check(save_all.measured_recompute == 0.0, f"{attn}: save-all recomputes nothing (measured)")
-        report.say(f"{attn}: every layer {full.step_seconds / none.step_seconds:.2f}x the step time of no "
-                   f"checkpointing (the seed: 1.40x), korthikanti {korthikanti.step_seconds / none.step_seconds:.2f}x, "
-                   f"save-all {save_all.step_seconds / none.step_seconds:.2f}x; memory "
-                   f"{full.measured_peak / none.measured_peak:.2f}x of no checkpointing")
+        report.say(
+            f"{attn}: every layer {full.step_seconds / none.step_seconds:.2f}x the step time of no "
+            f"checkpointing (the seed: 1.40x), korthikanti {korthikanti.step_seconds / none.step_seconds:.2f}x, "
+            f"save-all {save_all.step_seconds / none.step_seconds:.2f}x; memory "
+            f"{full.measured_peak / none.measured_peak:.2f}x of no checkpointing"
+        )
         report.data["selective"].append({"attention": attn, "rows": [asdict(r) for r in rows]})
-        del model
+        model = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,18 +37,30 @@ def run_lesson(path: Path, cell_timeout: float, notebook_timeout: float) -> dict
     for index, cell in enumerate(notebook.cells):
         if cell.cell_type == "code" and cell.source.lstrip().startswith("%%gpu_only"):
             printed = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
-            gpu_cells.append({"cell": index, "first_line": cell.source.lstrip().splitlines()[0][:200],
-                              "error": run.errors.get(index, "did not run"), "printed": printed[-2000:]})
-    return {"seconds": round(time.monotonic() - start, 1),
-            "stopped": run.stopped.format(where=f"cell {run.stopped_at}") if run.stopped else "",
-            "failed_cells": {str(i): error for i, error in run.errors.items() if error},
-            "gpu_only_cells": gpu_cells}
+            gpu_cells.append(
+                {
+                    "cell": index,
+                    "first_line": cell.source.lstrip().splitlines()[0][:200],
+                    "error": run.errors.get(index, "did not run"),
+                    "printed": printed[-2000:],
+                }
+            )
+    return {
+        "seconds": round(time.monotonic() - start, 1),
+        "stopped": run.stopped.format(where=f"cell {run.stopped_at}") if run.stopped else "",
+        "failed_cells": {str(i): error for i, error in run.errors.items() if error},
+        "gpu_only_cells": gpu_cells,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebooks", nargs="*", type=Path, default=[Path("notebooks/07_the_rest_of_the_toolbox.ipynb"),
-                                                                    Path("notebooks/06_sharding.ipynb")])
+    parser.add_argument(
+        "notebooks",
+        nargs="*",
+        type=Path,
+        default=[Path("notebooks/07_the_rest_of_the_toolbox.ipynb"), Path("notebooks/06_sharding.ipynb")],
+    )
     parser.add_argument("--cell-timeout", type=float, default=120.0)
     parser.add_argument("--notebook-timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
@@ -57,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_lessons.py needs a CUDA GPU (it runs the lessons' %%gpu_only cells); on a CPU the tests run the lessons")
+        print(
+            "gpu_lessons.py needs a CUDA GPU (it runs the lessons' %%gpu_only cells); on a CPU the tests run the lessons"
+        )
         return 0
     from results_io import write_json
 
@@ -71,13 +85,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.name}: out of time before it started", flush=True)
             continue
         result = results[path.name] = run_lesson(path, args.cell_timeout, left)
-        print(f"{path.name}: {result['seconds']} s, {len(result['failed_cells'])} failed cells"
-              + (f", stopped: {result['stopped']}" if result["stopped"] else ""), flush=True)
+        print(
+            f"{path.name}: {result['seconds']} s, {len(result['failed_cells'])} failed cells"
+            + (f", stopped: {result['stopped']}" if result["stopped"] else ""),
+            flush=True,
+        )
         for index, error in result["failed_cells"].items():
             print(f"  cell {index} failed: {error[:300]}")
         for cell in result["gpu_only_cells"]:
-            print(f"  %%gpu_only cell {cell['cell']}: {cell['error'] or 'ran'}\n    " +
-                  "\n    ".join(cell["printed"].strip().splitlines()[-12:]))
+            print(
+                f"  %%gpu_only cell {cell['cell']}: {cell['error'] or 'ran'}\n    "
+                + "\n    ".join(cell["printed"].strip().splitlines()[-12:])
+            )
         if args.json:
             write_json(args.json, results)
     return 0

@@ -41,28 +41,37 @@ PARTS = ("smoke", "ablation", "precision", "trainer", "expandable")
 def smoke(out: dict, save) -> None:
     """Thirty seconds that say whether the rest can work: imports, a paged tensor, a tiny QLoRA step;
     `out` filled and `save()` called after each."""
-    import torch
     import bitsandbytes as bnb
     import peft
+    import torch
     import transformers
 
     from course_lib import qlora
     from course_lib.paging import probe
 
-    out.update(versions={m.__name__: m.__version__ for m in (torch, transformers, peft, bnb)},
-               cuda=torch.version.cuda, device=torch.cuda.get_device_name(),
-               capability=list(torch.cuda.get_device_capability()))
+    out.update(
+        versions={m.__name__: m.__version__ for m in (torch, transformers, peft, bnb)},
+        cuda=torch.version.cuda,
+        device=torch.cuda.get_device_name(),
+        capability=list(torch.cuda.get_device_capability()),
+    )
     save()
     paged = probe.managed_buffer(8 * 2**20)
     out["paged_fill_s"] = probe.gpu_touch(paged)
     out["paged_prefetch_s"] = probe.gpu_prefetch(paged)
-    out["paged_bytes_read_back"] = int(paged[:4096].sum())   # 4096: fill wrote ones, the host reads them
+    out["paged_bytes_read_back"] = int(paged[:4096].sum())  # 4096: fill wrote ones, the host reads them
     save()
     t = time.perf_counter()
     row = qlora.measure_recipe(qlora.tiny_llama_config(), qlora.Recipe(seq=32, accum=1), "cuda")
-    out["tiny_qlora"] = {"status": row.status, "measured_peak": row.measured_peak, "predicted_peak": row.predicted_peak,
-                         "error": row.error, "measured_reserved": row.measured_reserved,
-                         "predicted_reserved": row.predicted_reserved, "seconds": time.perf_counter() - t}
+    out["tiny_qlora"] = {
+        "status": row.status,
+        "measured_peak": row.measured_peak,
+        "predicted_peak": row.predicted_peak,
+        "error": row.error,
+        "measured_reserved": row.measured_reserved,
+        "predicted_reserved": row.predicted_reserved,
+        "seconds": time.perf_counter() - t,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--accum", type=int, default=4)
-    parser.add_argument("--as-t4", action="store_true",
-                        help="the T4 recipe (fp16 autocast + GradScaler) under a 15 GiB memory cap")
+    parser.add_argument(
+        "--as-t4", action="store_true", help="the T4 recipe (fp16 autocast + GradScaler) under a 15 GiB memory cap"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
     if args.json is None and os.environ.get("OUT"):
@@ -82,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_qlora.py needs a CUDA GPU (the 1B-class configuration); on a CPU run the lesson 5 notebook")
         return 0
+    from results_io import write_json
+
     from course_lib import isolate, qlora
     from course_lib.measure import format_bytes
-    from results_io import write_json
 
     deadline = time.monotonic() + float(os.environ.get("GPU_CHECK_PART_SECONDS", "inf")) - 5
 
@@ -102,14 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     config = qlora.llama_1b_config()
     if "ablation" in parts:
         t = time.perf_counter()
+
         def partial(rows) -> None:  # a part cut short by its time budget still brings back its rows
             results["ablation"] = [{**asdict(r), "recipe": r.recipe.describe(), "error": r.error} for r in rows]
             save()
 
-        rows = qlora.ablation(config, qlora.Recipe(seq=args.seq, batch=1, accum=args.accum), "cuda",
-                              as_t4=args.as_t4, progress=partial)
-        print(f"ablation{' as a T4' if args.as_t4 else ''}, one process per row ({time.perf_counter() - t:.0f} s; "
-              "measured peaks, planner predictions, error = (predicted - measured) / measured):")
+        rows = qlora.ablation(
+            config, qlora.Recipe(seq=args.seq, batch=1, accum=args.accum), "cuda", as_t4=args.as_t4, progress=partial
+        )
+        print(
+            f"ablation{' as a T4' if args.as_t4 else ''}, one process per row ({time.perf_counter() - t:.0f} s; "
+            "measured peaks, planner predictions, error = (predicted - measured) / measured):"
+        )
         print(qlora.format_ablation(rows))
         print("max_memory_reserved, measured (the row's process) and predicted (the planner's reserved):")
         for r in rows:
@@ -124,31 +139,48 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "trainer" in parts:
         folder = str(qlora.checkpoint_dir(config))
-        run = isolate.run("course_lib.qlora.gpu_rows:train_row", config_dir=folder, seq=128, accum=4, max_steps=15,
-                          as_t4=args.as_t4, timeout=max(1.0, deadline - time.monotonic()))
+        run = isolate.run(
+            "course_lib.qlora.gpu_rows:train_row",
+            config_dir=folder,
+            seq=128,
+            accum=4,
+            max_steps=15,
+            as_t4=args.as_t4,
+            timeout=max(1.0, deadline - time.monotonic()),
+        )
         results["trainer"] = run
         if run.get("status") == "ok":
-            print(f"Trainer, 15 steps (measured): loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f} in "
-                  f"{run['seconds']:.1f} s; {run['gradients_flow']}")
+            print(
+                f"Trainer, 15 steps (measured): loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f} in "
+                f"{run['seconds']:.1f} s; {run['gradients_flow']}"
+            )
         else:
             print(f"Trainer run: {run}")
         save()
     if "expandable" in parts:
         folder = str(qlora.checkpoint_dir(config))
         effect = results["expandable_segments"] = {}
-        for value in ("False", "True"):   # as qlora.expandable_segments_effect, saved after each
+        for value in ("False", "True"):  # as qlora.expandable_segments_effect, saved after each
             setting = f"expandable_segments:{value}"
-            effect[value] = isolate.run("course_lib.qlora.gpu_rows:expandable_row", config_dir=folder, seq=args.seq,
-                                        accum=args.accum, as_t4=args.as_t4, timeout=max(1.0, deadline - time.monotonic()),
-                                        env={"PYTORCH_ALLOC_CONF": setting, "PYTORCH_CUDA_ALLOC_CONF": setting})
+            effect[value] = isolate.run(
+                "course_lib.qlora.gpu_rows:expandable_row",
+                config_dir=folder,
+                seq=args.seq,
+                accum=args.accum,
+                as_t4=args.as_t4,
+                timeout=max(1.0, deadline - time.monotonic()),
+                env={"PYTORCH_ALLOC_CONF": setting, "PYTORCH_CUDA_ALLOC_CONF": setting},
+            )
             save()
         print("expandable_segments, the training step alone (measured, a fresh process each):")
         for value, peaks in effect.items():
             if peaks.get("status") != "ok":
                 print(f"  expandable_segments:{value:<5}  {peaks.get('status')}: {peaks.get('error')}")
                 continue
-            print(f"  expandable_segments:{value:<5}  allocated {format_bytes(peaks['allocated_peak']):>12}  "
-                  f"reserved {format_bytes(peaks['reserved_peak']):>12}")
+            print(
+                f"  expandable_segments:{value:<5}  allocated {format_bytes(peaks['allocated_peak']):>12}  "
+                f"reserved {format_bytes(peaks['reserved_peak']):>12}"
+            )
         save()
     return 0
 

@@ -32,10 +32,15 @@ import torch
 
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.measure import MiB, measure_step, storage_bytes
-from course_lib.planner import Setup, plan
 from course_lib.models import build_model, spec_from_model
-from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, chunked_causal_lm_loss,
-                               embeddings_in_32_bits)
+from course_lib.planner import Setup, plan
+from course_lib.toolbox import (
+    LEAN_OPTIMIZERS,
+    HostOffload,
+    OptimizerInBackward,
+    chunked_causal_lm_loss,
+    embeddings_in_32_bits,
+)
 
 BATCH = 4
 VOCAB = 8192
@@ -43,12 +48,27 @@ VOCAB = 8192
 ARCHITECTURES = {
     # model_type: config fields (tiny versions of the real layouts; everything else is the default)
     "gpt2": dict(n_embd=256, n_layer=4, n_head=8, n_positions=512, bos_token_id=0, eos_token_id=0),
-    "llama": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4),
-    "qwen2": dict(hidden_size=224, intermediate_size=608, num_hidden_layers=4, num_attention_heads=7,
-                  num_key_value_heads=1, tie_word_embeddings=True),
-    "gemma2": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=128),
+    "llama": dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4
+    ),
+    "qwen2": dict(
+        hidden_size=224,
+        intermediate_size=608,
+        num_hidden_layers=4,
+        num_attention_heads=7,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
+    "gemma2": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=128,
+    ),
 }
 # Gemma-2 has no SDPA path in transformers (attention logit soft-capping): its eager attention keeps
 # the s x s scores, the case where sequence length costs quadratically.
@@ -75,10 +95,12 @@ TOOLBOX_RECIPES = [
     ("fp32 chunked loss", dict(precision="fp32", optimizer="adamw", chunked_loss=128), False),
     ("fp32 offload", dict(precision="fp32", optimizer="adamw", offload_activations=True), False),
     ("bf16 offload", dict(precision="bf16", optimizer="adamw", offload_activations=True), False),
-    ("ckpt+bwd+chunk", dict(precision="fp32", optimizer="adamw", optimizer_in_backward=True,
-                            chunked_loss=128), True),
-    ("ckpt+bwd+chunk+8bit", dict(precision="fp32", optimizer="adamw8bit", optimizer_in_backward=True,
-                                 chunked_loss=128), True),
+    ("ckpt+bwd+chunk", dict(precision="fp32", optimizer="adamw", optimizer_in_backward=True, chunked_loss=128), True),
+    (
+        "ckpt+bwd+chunk+8bit",
+        dict(precision="fp32", optimizer="adamw8bit", optimizer_in_backward=True, chunked_loss=128),
+        True,
+    ),
 ]
 
 
@@ -88,9 +110,15 @@ TOOLBOX_RECIPES = [
 # small vocabulary, where the peak is a recomputed layer's backward, not the logits or the step.
 SGD = ("fp32 SGD", dict(precision="fp32", optimizer="sgd"))
 EXTRA_CASES = [
-    *[(model_type, model_type, {}, 256, RECIPES[1], checkpointing, "keep-outputs")
-      for model_type in ARCHITECTURES for checkpointing in (False, True)],
-    *[("gpt2 V=512", "gpt2", dict(vocab_size=512), 512, SGD, checkpointing, "trainer") for checkpointing in (False, True)],
+    *[
+        (model_type, model_type, {}, 256, RECIPES[1], checkpointing, "keep-outputs")
+        for model_type in ARCHITECTURES
+        for checkpointing in (False, True)
+    ],
+    *[
+        ("gpt2 V=512", "gpt2", dict(vocab_size=512), 512, SGD, checkpointing, "trainer")
+        for checkpointing in (False, True)
+    ],
 ]
 
 
@@ -137,8 +165,12 @@ def build_case(model_type: str, setup: Setup, checkpointing: bool, changes: dict
     if setup.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
-                                                 target_modules="all-linear", lora_dropout=0.0))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=setup.lora_rank, lora_alpha=2 * setup.lora_rank, target_modules="all-linear", lora_dropout=0.0
+            ),
+        )
     if checkpointing:
         hf_checkpointing(model, True, use_reentrant=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -163,10 +195,23 @@ def accelerate_estimate(config, precision: str) -> int:
     return max(usage.values())
 
 
-def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing: bool, loop: str = "trainer",
-             changes: dict | None = None) -> dict:
-    setup = Setup(batch=BATCH, seq=seq, checkpointing="every-layer" if checkpointing else "none",
-                  attention=ATTENTION.get(model_type, "sdpa"), loop=loop, **fields)
+def run_case(
+    model_type: str,
+    seq: int,
+    label: str,
+    fields: dict,
+    checkpointing: bool,
+    loop: str = "trainer",
+    changes: dict | None = None,
+) -> dict:
+    setup = Setup(
+        batch=BATCH,
+        seq=seq,
+        checkpointing="every-layer" if checkpointing else "none",
+        attention=ATTENTION.get(model_type, "sdpa"),
+        loop=loop,
+        **fields,
+    )
     config, model, optimizer = build_case(model_type, setup, checkpointing, changes)
     ids = torch.randint(0, config.vocab_size, (BATCH, seq))
     labels = ids.clone()
@@ -174,7 +219,9 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
 
     def loss_fn():  # the forward (under autocast for amp-*, as the Trainer runs it); lesson 7: under offload
         # hooks, or with the chunked loss
-        autocast = torch.autocast("cpu", dtype=setup.autocast_dtype) if setup.autocast_dtype else contextlib.nullcontext()
+        autocast = (
+            torch.autocast("cpu", dtype=setup.autocast_dtype) if setup.autocast_dtype else contextlib.nullcontext()
+        )
         with HostOffload() if setup.offload_activations else contextlib.nullcontext(), autocast:
             if setup.chunked_loss is not None:
                 return chunked_causal_lm_loss(model, ids, labels, setup.chunked_loss)
@@ -186,7 +233,7 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
     # The fp32 master copies are neither parameters nor optimizer state: hand them to measure_step with
     # the batch, as tensors live for the whole step.
     master = list(optimizer.master) if isinstance(optimizer, MasterWeightAdamW) else []
-    optimizer.zero_grad(set_to_none=True)    # step 1, unmeasured: the optimizer state appears (8-bit:
+    optimizer.zero_grad(set_to_none=True)  # step 1, unmeasured: the optimizer state appears (8-bit:
     # 32-bit for the embeddings, as the Trainer registers it and the planner plans it)
     with embeddings_in_32_bits(model) if setup.optimizer == "adamw8bit" else contextlib.nullcontext():
         loss_fn().backward()
@@ -205,19 +252,30 @@ def run_case(model_type: str, seq: int, label: str, fields: dict, checkpointing:
         "master_weights": (predicted.bytes["master_weights"], storage_bytes(master)),
     }
     accel = accelerate_estimate(config, setup.precision)
-    return {"arch": model_type, "seq": seq, "recipe": label, "loop": loop,
-            "ckpt": "every layer" if checkpointing else "none",
-            "measured": peak, "predicted": predicted.total, "accelerate": accel,
-            "states_exact": all(a == b for a, b in exact.values()),
-            "mismatch": {k: v for k, v in exact.items() if v[0] != v[1]}}
+    return {
+        "arch": model_type,
+        "seq": seq,
+        "recipe": label,
+        "loop": loop,
+        "ckpt": "every layer" if checkpointing else "none",
+        "measured": peak,
+        "predicted": predicted.total,
+        "accelerate": accel,
+        "states_exact": all(a == b for a, b in exact.values()),
+        "mismatch": {k: v for k, v in exact.items() if v[0] != v[1]},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one sequence length, first three recipes")
     parser.add_argument("--toolbox", action="store_true", help="only lesson 7's rows (its tricks)")
-    parser.add_argument("--recipe", action="append", choices=[label for label, _ in RECIPES],
-                        help="only the matrix's rows of this recipe (repeatable), e.g. 'amp-bf16 AdamW'")
+    parser.add_argument(
+        "--recipe",
+        action="append",
+        choices=[label for label, _ in RECIPES],
+        help="only the matrix's rows of this recipe (repeatable), e.g. 'amp-bf16 AdamW'",
+    )
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     from transformers.utils import logging
@@ -228,17 +286,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipe:
         recipes = [recipe for recipe in RECIPES if recipe[0] in args.recipe]
     # (name, architecture, config changes, seq, (label, setup fields), checkpointing, loop)
-    cases = [] if args.toolbox else [(m, m, {}, s, recipe, ckpt, "trainer") for m in ARCHITECTURES for s in seqs
-                                     for recipe in recipes for ckpt in (False, True)] + ([] if args.recipe else EXTRA_CASES)
+    cases = (
+        []
+        if args.toolbox
+        else [
+            (m, m, {}, s, recipe, ckpt, "trainer")
+            for m in ARCHITECTURES
+            for s in seqs
+            for recipe in recipes
+            for ckpt in (False, True)
+        ]
+        + ([] if args.recipe else EXTRA_CASES)
+    )
     if not (args.quick or args.recipe):
-        cases += [(m, m, {}, TOOLBOX_SEQ, (label, fields), ckpt, "trainer") for m in ARCHITECTURES
-                  for label, fields, ckpt in TOOLBOX_RECIPES]
+        cases += [
+            (m, m, {}, TOOLBOX_SEQ, (label, fields), ckpt, "trainer")
+            for m in ARCHITECTURES
+            for label, fields, ckpt in TOOLBOX_RECIPES
+        ]
     rows, start = [], time.perf_counter()
-    print(f"Batch {BATCH}, vocabulary {VOCAB}, 4 layers; peak of training step 2 (optimizer state allocated), "
-          f"torch {torch.__version__.split('+')[0]} on CPU.\n")
-    header = (f"| {'architecture':<12} | {'seq':>4} | {'recipe':<19} | {'loop':<12} | {'checkpointing':<13} "
-              f"| {'measured MiB':>12} | {'ours MiB':>9} | {'ours err':>8} | {'accelerate MiB':>14} | {'accel. err':>10} "
-              f"| states exact |")
+    print(
+        f"Batch {BATCH}, vocabulary {VOCAB}, 4 layers; peak of training step 2 (optimizer state allocated), "
+        f"torch {torch.__version__.split('+')[0]} on CPU.\n"
+    )
+    header = (
+        f"| {'architecture':<12} | {'seq':>4} | {'recipe':<19} | {'loop':<12} | {'checkpointing':<13} "
+        f"| {'measured MiB':>12} | {'ours MiB':>9} | {'ours err':>8} | {'accelerate MiB':>14} | {'accel. err':>10} "
+        f"| states exact |"
+    )
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
     for name, model_type, changes, seq, (label, fields), checkpointing, loop in cases:
@@ -246,16 +321,21 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         ours = (row["predicted"] - row["measured"]) / row["measured"]
         theirs = (row["accelerate"] - row["measured"]) / row["measured"]
-        print(f"| {row['arch']:<12} | {seq:>4} | {label:<19} | {loop:<12} | {row['ckpt']:<13} "
-              f"| {row['measured'] / MiB:>12.2f} | {row['predicted'] / MiB:>9.2f} | {ours:>+8.2%} "
-              f"| {row['accelerate'] / MiB:>14.2f} | {theirs:>+10.1%} "
-              f"| {'yes' if row['states_exact'] else 'NO ' + str(row['mismatch']):<12} |", flush=True)
+        print(
+            f"| {row['arch']:<12} | {seq:>4} | {label:<19} | {loop:<12} | {row['ckpt']:<13} "
+            f"| {row['measured'] / MiB:>12.2f} | {row['predicted'] / MiB:>9.2f} | {ours:>+8.2%} "
+            f"| {row['accelerate'] / MiB:>14.2f} | {theirs:>+10.1%} "
+            f"| {'yes' if row['states_exact'] else 'NO ' + str(row['mismatch']):<12} |",
+            flush=True,
+        )
     ours = [abs(r["predicted"] - r["measured"]) / r["measured"] for r in rows]
     theirs = [abs(r["accelerate"] - r["measured"]) / r["measured"] for r in rows]
     exact = sum(r["states_exact"] for r in rows)
     print(f"\n{len(rows)} cases in {time.perf_counter() - start:.0f} s.")
-    print(f"Peak error, ours:       max {max(ours):.2%}, median {statistics.median(ours):.2%} "
-          f"(goal: max 10%, typical 5%).")
+    print(
+        f"Peak error, ours:       max {max(ours):.2%}, median {statistics.median(ours):.2%} "
+        f"(goal: max 10%, typical 5%)."
+    )
     print(f"Peak error, accelerate: max {max(theirs):.1%}, median {statistics.median(theirs):.1%}.")
     print(f"Model-state categories exact to the byte: {exact} of {len(rows)} cases.")
     ok = max(ours) <= 0.10 and statistics.median(ours) <= 0.05 and exact == len(rows)

@@ -95,14 +95,18 @@ def main() -> int:
     floor = min(_cli_seconds("--params", "7e9", "--gpu", "t4") for _ in range(3))
     print(f"--params floor (course-lib plan --params 7e9 --gpu t4): {floor:.2f} s")
     base = min(_python_seconds("import course_lib.planner") for _ in range(3))
-    configs = min(_python_seconds("import course_lib.planner; from transformers import AutoConfig; "
-                                  "AutoConfig.for_model('llama')") for _ in range(3))
+    configs = min(
+        _python_seconds("import course_lib.planner; from transformers import AutoConfig; AutoConfig.for_model('llama')")
+        for _ in range(3)
+    )
     print(f"transformers' import (a config class), which a named model adds to it: {configs - base:.2f} s")
     _chart_seconds()  # matplotlib's first figure: its import and fonts
     chart = min(_chart_seconds() for _ in range(3))
     print(f"the widget's chart drawn: {chart:.2f} s\n")
-    print(f"{'model':<14} {'recipe':<6} {'uncached plan()':>15} {'cached plan()':>13} {'widget chart':>12} "
-          f"{'+ tricks':>8} {'CLI cold':>9} {'CLI warm':>9} {'warm / floor':>12}")
+    print(
+        f"{'model':<14} {'recipe':<6} {'uncached plan()':>15} {'cached plan()':>13} {'widget chart':>12} "
+        f"{'+ tricks':>8} {'CLI cold':>9} {'CLI warm':>9} {'warm / floor':>12}"
+    )
     missed = []
     for model in models:
         extra_options, extra_flags = _extra(model)
@@ -123,19 +127,33 @@ def main() -> int:
             start = time.perf_counter()
             planner.plan(model, gpu="t4", **options)  # the widget's "what makes it fit", after its chart
             tricks = time.perf_counter() - start
-            argv = [model, "--gpu", "t4", "--batch", str(SIZE["batch"]), "--seq", str(SIZE["seq"]), *flags,
-                    *extra_flags]
+            argv = [
+                model,
+                "--gpu",
+                "t4",
+                "--batch",
+                str(SIZE["batch"]),
+                "--seq",
+                str(SIZE["seq"]),
+                *flags,
+                *extra_flags,
+            ]
             with tempfile.TemporaryDirectory() as folder:
                 os.environ["COURSE_LIB_CACHE_DIR"] = folder  # the CLI's trace cache: empty, then filled
                 cold, warm = _cli_seconds(*argv), _cli_seconds(*argv)
                 os.environ["COURSE_LIB_CACHE_DIR"] = ""
             row = {"uncached_s": uncached, "cached_s": cached, "chart_s": uncached + chart, "cli_ratio": warm / floor}
             missed += [f"{model} {recipe} {goal}" for goal, limit in GOALS.items() if row[goal] >= limit]
-            print(f"{model:<14} {recipe:<6} {uncached:>13.2f} s {cached * 1000:>10.1f} ms {uncached + chart:>10.2f} s "
-                  f"{tricks:>6.2f} s {cold:>7.2f} s "
-                  f"{warm:>7.2f} s {warm / floor:>11.1f}x", flush=True)
-    print(f"\ngoals: uncached < {GOALS['uncached_s']} s, cached < {GOALS['cached_s'] * 1000:.0f} ms, "
-          f"widget chart < {GOALS['chart_s']} s, warm CLI < {GOALS['cli_ratio']}x the floor")
+            print(
+                f"{model:<14} {recipe:<6} {uncached:>13.2f} s {cached * 1000:>10.1f} ms {uncached + chart:>10.2f} s "
+                f"{tricks:>6.2f} s {cold:>7.2f} s "
+                f"{warm:>7.2f} s {warm / floor:>11.1f}x",
+                flush=True,
+            )
+    print(
+        f"\ngoals: uncached < {GOALS['uncached_s']} s, cached < {GOALS['cached_s'] * 1000:.0f} ms, "
+        f"widget chart < {GOALS['chart_s']} s, warm CLI < {GOALS['cli_ratio']}x the floor"
+    )
     if missed:
         print(f"missed ({len(missed)}): " + "; ".join(missed))
         return 1

@@ -29,25 +29,50 @@ from pathlib import Path
 
 from course_lib.errors import UserError
 from course_lib.measure import GiB, MiB
-from course_lib.planner import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
-from course_lib.planner.trace.checkpointed import planned_stream
-from course_lib.planner.parallel.fsdp_wrap import after_wrap
-from course_lib.planner.config.setup import FSDP_WRAP_FROM
 from course_lib.models import model_spec
+from course_lib.planner import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
+from course_lib.planner.config.setup import FSDP_WRAP_FROM
+from course_lib.planner.parallel.fsdp_wrap import after_wrap
+from course_lib.planner.trace.checkpointed import planned_stream
 
 DATA = Path(__file__).with_name("data") / "published_runs.csv"
 UNITS = {"bytes": 1, "MB": 10**6, "MiB": MiB, "GB": 10**9, "GiB": GiB}
 STATISTICS = ("allocated", "reserved", "active", "nvidia-smi")
 STACKS = ("hf", "comparison")
 OUTCOMES = ("fit", "oom")
-TRUST = {"A": "configuration and statistic as published",
-         "B": "configuration as published; the tokens at the peak an upper bound or the longest sample",
-         "C": "part of the configuration inferred (the row's facts say which)"}
+TRUST = {
+    "A": "configuration and statistic as published",
+    "B": "configuration as published; the tokens at the peak an upper bound or the longest sample",
+    "C": "part of the configuration inferred (the row's facts say which)",
+}
 SHARDINGS = {"none": "none", "fsdp-no-shard": "none", "fsdp-full-shard": "zero3"}  # the data's -> Setup.shard
-REQUIRED = ("id", "source", "ref", "stack", "published_model", "method", "micro_batch", "seq", "tokens_at_peak",
-            "dtype", "autocast", "optimizer", "checkpointing", "autocast_adapter_dtype", "loop", "legacy_causal_lm_loss",
-            "empty_cache_each_step", "fsdp_backward_prefetch", "gpus", "sharding",
-            "statistic", "unit", "outcome", "trust", "facts")
+REQUIRED = (
+    "id",
+    "source",
+    "ref",
+    "stack",
+    "published_model",
+    "method",
+    "micro_batch",
+    "seq",
+    "tokens_at_peak",
+    "dtype",
+    "autocast",
+    "optimizer",
+    "checkpointing",
+    "autocast_adapter_dtype",
+    "loop",
+    "legacy_causal_lm_loss",
+    "empty_cache_each_step",
+    "fsdp_backward_prefetch",
+    "gpus",
+    "sharding",
+    "statistic",
+    "unit",
+    "outcome",
+    "trust",
+    "facts",
+)
 
 
 @dataclass
@@ -70,8 +95,13 @@ def load_rows(path: Path = DATA) -> list[dict]:
         missing = [name for name in REQUIRED if not (row.get(name) or "").strip()]
         if missing:
             raise UserError(f"{where}: empty {', '.join(missing)}")
-        for name, options in (("unit", UNITS), ("statistic", STATISTICS), ("stack", STACKS), ("outcome", OUTCOMES),
-                              ("trust", TRUST)):
+        for name, options in (
+            ("unit", UNITS),
+            ("statistic", STATISTICS),
+            ("stack", STACKS),
+            ("outcome", OUTCOMES),
+            ("trust", TRUST),
+        ):
             if row[name] not in options:
                 raise UserError(f"{where}: unknown {name} {row[name]!r}: use one of {', '.join(options)}")
         if row["id"] in seen:
@@ -81,8 +111,12 @@ def load_rows(path: Path = DATA) -> list[dict]:
             raise UserError(f"{where}: a fit has a measured value and an OOM none")
         if row["sharding"].split("+")[0] not in SHARDINGS:
             raise UserError(f"{where}: unknown sharding {row['sharding']!r}: use one of {', '.join(SHARDINGS)}")
-        for name in ("autocast_adapter_dtype", "legacy_causal_lm_loss", "empty_cache_each_step",
-                     "fsdp_backward_prefetch"):
+        for name in (
+            "autocast_adapter_dtype",
+            "legacy_causal_lm_loss",
+            "empty_cache_each_step",
+            "fsdp_backward_prefetch",
+        ):
             if row[name] not in ("True", "False"):  # autocast_adapter_dtype True: peft's fp32 adapters (>= 0.11)
                 raise UserError(f"{where}: {name} is True or False, not {row[name]!r}")
         if row["loop"] not in LOOPS:
@@ -90,8 +124,10 @@ def load_rows(path: Path = DATA) -> list[dict]:
         if row["fsdp_version"] not in ("", "1", "2") or bool(row["fsdp_version"]) != ("full-shard" in row["sharding"]):
             raise UserError(f"{where}: fsdp_version is 1 or 2 for a sharded row, empty for the others")
         if row.get("fsdp_wrap_from") not in ("", *FSDP_WRAP_FROM):
-            raise UserError(f"{where}: fsdp_wrap_from is empty (a step from an empty cache) or one of "
-                            f"{', '.join(FSDP_WRAP_FROM)}, not {row.get('fsdp_wrap_from')!r}")
+            raise UserError(
+                f"{where}: fsdp_wrap_from is empty (a step from an empty cache) or one of "
+                f"{', '.join(FSDP_WRAP_FROM)}, not {row.get('fsdp_wrap_from')!r}"
+            )
         if row["method"] != "full" and not row["lora_rank"].strip():
             raise UserError(f"{where}: a {row['method']} row needs its lora_rank")
     return rows
@@ -113,17 +149,26 @@ def setup_of(row: dict) -> Setup:
     else:
         precision = row["dtype"]
     targets = row["lora_targets"].strip()
-    return Setup(precision=precision, optimizer=row["optimizer"], batch=int(row["micro_batch"]), seq=int(row["seq"]),
-                 checkpointing=row["checkpointing"], quant=row["quant"] or "none",
-                 lora_rank=int(row["lora_rank"]) if lora else 0,
-                 lora_targets=(targets if targets == "all-linear" else tuple(targets.split())) if lora else "all-linear",
-                 lora_dropout=float(row["lora_dropout"] or 0) if lora else 0.0,
-                 autocast_adapter_dtype=row["autocast_adapter_dtype"] == "True", loop=row["loop"],
-                 legacy_causal_lm_loss=row["legacy_causal_lm_loss"] == "True",
-                 empty_cache_each_step=row["empty_cache_each_step"] == "True",
-                 gpus=None if gpus == 1 else gpus, shard=SHARDINGS[row["sharding"].split("+")[0]],
-                 fsdp_version=int(row["fsdp_version"] or 2), fsdp_backward_prefetch=row["fsdp_backward_prefetch"] == "True",
-                 fsdp_wrap_from=row["fsdp_wrap_from"] or None)
+    return Setup(
+        precision=precision,
+        optimizer=row["optimizer"],
+        batch=int(row["micro_batch"]),
+        seq=int(row["seq"]),
+        checkpointing=row["checkpointing"],
+        quant=row["quant"] or "none",
+        lora_rank=int(row["lora_rank"]) if lora else 0,
+        lora_targets=(targets if targets == "all-linear" else tuple(targets.split())) if lora else "all-linear",
+        lora_dropout=float(row["lora_dropout"] or 0) if lora else 0.0,
+        autocast_adapter_dtype=row["autocast_adapter_dtype"] == "True",
+        loop=row["loop"],
+        legacy_causal_lm_loss=row["legacy_causal_lm_loss"] == "True",
+        empty_cache_each_step=row["empty_cache_each_step"] == "True",
+        gpus=None if gpus == 1 else gpus,
+        shard=SHARDINGS[row["sharding"].split("+")[0]],
+        fsdp_version=int(row["fsdp_version"] or 2),
+        fsdp_backward_prefetch=row["fsdp_backward_prefetch"] == "True",
+        fsdp_wrap_from=row["fsdp_wrap_from"] or None,
+    )
 
 
 def card_of(row: dict) -> GPU | None:
@@ -175,8 +220,11 @@ def verdict(result: Result) -> str:
 
 
 def _configuration(row: dict) -> str:
-    method = row["method"] + (f" r{row['lora_rank']}" if row["method"] != "full" else "") \
+    method = (
+        row["method"]
+        + (f" r{row['lora_rank']}" if row["method"] != "full" else "")
         + (f" {row['quant']}" if row["quant"] not in ("", "none") else "")
+    )
     gpus = f"{row['gpus']}x{row['gpu'] or '?'}" + ("" if row["sharding"] == "none" else f" {row['sharding']}")
     return f"{row['published_model'].split('/')[-1]}, {method}, b{row['micro_batch']}x{row['seq']}, {gpus}"
 
@@ -186,10 +234,15 @@ def table(results: list[Result], markdown: bool) -> list[str]:
     lines = []
     for result in results:
         error = error_percent(result)
-        cells = (result.row["id"], _configuration(result.row), f"{result.row['statistic']} ({result.row['trust']})",
-                 "OOM" if result.published is None else f"{result.published / GiB:.2f}",
-                 result.label if result.predicted is None else f"{result.predicted / GiB:.2f} {result.label}",
-                 "" if error is None else f"{error:+.1f}%", verdict(result))
+        cells = (
+            result.row["id"],
+            _configuration(result.row),
+            f"{result.row['statistic']} ({result.row['trust']})",
+            "OOM" if result.published is None else f"{result.published / GiB:.2f}",
+            result.label if result.predicted is None else f"{result.predicted / GiB:.2f} {result.label}",
+            "" if error is None else f"{error:+.1f}%",
+            verdict(result),
+        )
         lines.append(cells)
     if markdown:
         return [f"| {' | '.join(head)} |", f"|{'---|' * len(head)}"] + [f"| {' | '.join(c)} |" for c in lines]
@@ -202,21 +255,33 @@ def worst_errors(results: list[Result], bullet: str = "  ") -> list[str]:
     published figure is what they can check)."""
     lines = []
     for statistic in STATISTICS:
-        scored = [(abs(e), e, r.row["id"]) for r in results if r.row["statistic"] == statistic
-                  and r.row["tokens_at_peak"] != "upper bound" and (e := error_percent(r)) is not None]
+        scored = [
+            (abs(e), e, r.row["id"])
+            for r in results
+            if r.row["statistic"] == statistic
+            and r.row["tokens_at_peak"] != "upper bound"
+            and (e := error_percent(r)) is not None
+        ]
         if scored:
             _, error, row_id = max(scored)
             lines.append(f"{bullet}{statistic}: worst {error:+.1f}% ({row_id}), over {len(scored)} rows")
-    bounded = [(e, r.row["id"]) for r in results
-               if r.row["tokens_at_peak"] == "upper bound" and (e := error_percent(r)) is not None]
+    bounded = [
+        (e, r.row["id"])
+        for r in results
+        if r.row["tokens_at_peak"] == "upper bound" and (e := error_percent(r)) is not None
+    ]
     if bounded:
         below = [row_id for e, row_id in bounded if e < 0]
-        lines.append(f"{bullet}tokens an upper bound: {len(bounded) - len(below)} of {len(bounded)} rows predicted "
-                     f"at or above the published figure ({min(e for e, _ in bounded):+.1f}% to "
-                     f"{max(e for e, _ in bounded):+.1f}%){': below: ' + ', '.join(below) if below else ''}")
+        lines.append(
+            f"{bullet}tokens an upper bound: {len(bounded) - len(below)} of {len(bounded)} rows predicted "
+            f"at or above the published figure ({min(e for e, _ in bounded):+.1f}% to "
+            f"{max(e for e, _ in bounded):+.1f}%){': below: ' + ', '.join(below) if below else ''}"
+        )
     wrong = [r.row["id"] for r in results if verdict(r).endswith("WRONG")]
-    lines.append(f"{bullet}fit verdicts: {sum(verdict(r).endswith('ok') for r in results)} right, "
-                 f"{len(wrong)} wrong{': ' + ', '.join(wrong) if wrong else ''}")
+    lines.append(
+        f"{bullet}fit verdicts: {sum(verdict(r).endswith('ok') for r in results)} right, "
+        f"{len(wrong)} wrong{': ' + ', '.join(wrong) if wrong else ''}"
+    )
     return lines
 
 
@@ -233,9 +298,11 @@ def loader_residue(results: list[Result]) -> str | None:
         return None
     row, published = result.row, RESERVED_AFTER_WRAP[1]
     reserved, allocated = after_wrap(model_spec(row["model"]), setup_of(row))
-    return (f"{row['id']}: reserved after FSDP's wrap, before the first step: {published / GiB:.2f} GiB published, "
-            f"{reserved / GiB:.2f} GiB predicted ({100 * (reserved - published) / published:+.1f}%; "
-            f"{(reserved - allocated) / GiB:.2f} GiB of it cached)")
+    return (
+        f"{row['id']}: reserved after FSDP's wrap, before the first step: {published / GiB:.2f} GiB published, "
+        f"{reserved / GiB:.2f} GiB predicted ({100 * (reserved - published) / published:+.1f}%; "
+        f"{(reserved - allocated) / GiB:.2f} GiB of it cached)"
+    )
 
 
 def limit_lines(results: list[Result]) -> list[str]:
@@ -249,11 +316,13 @@ def limit_lines(results: list[Result]) -> list[str]:
             continue
         top = line.capacity - line.context - line.managed
         largest = max(planned_stream(model_spec(result.row["model"]), setup_of(result.row)))
-        lines.append(f"{result.row['id']}: at the card's limit: the replay's reserve passes what CUDA gives, the "
-                     f"allocations fit; the allocator frees its cache and retries, and max_memory_reserved stops where "
-                     f"the first cudaMalloc fails, between {(top - largest) / GiB:.2f} and {top / GiB:.2f} GiB (the "
-                     f"card {line.capacity / GiB:.2f} GiB less the context {line.context / GiB:.2f} GiB, less the "
-                     f"step's largest request, {largest / GiB:.2f} GiB); what else holds the card's memory decides")
+        lines.append(
+            f"{result.row['id']}: at the card's limit: the replay's reserve passes what CUDA gives, the "
+            f"allocations fit; the allocator frees its cache and retries, and max_memory_reserved stops where "
+            f"the first cudaMalloc fails, between {(top - largest) / GiB:.2f} and {top / GiB:.2f} GiB (the "
+            f"card {line.capacity / GiB:.2f} GiB less the context {line.context / GiB:.2f} GiB, less the "
+            f"step's largest request, {largest / GiB:.2f} GiB); what else holds the card's memory decides"
+        )
     return lines
 
 
@@ -276,10 +345,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"published_accuracy: unknown row id(s) {', '.join(unknown)}", file=sys.stderr)
             return 2
         rows = [row for row in rows if row["id"] in wanted]
-    groups = {"Hugging Face stacks": [r for r in rows if r["stack"] == "hf" and not r["exclusion"]],
-              "Comparison: litgpt and torchtune model code": [r for r in rows if r["stack"] == "comparison"
-                                                              and not r["exclusion"]],
-              "Left out (the reason in the data; planned where the planner can)": [r for r in rows if r["exclusion"]]}
+    groups = {
+        "Hugging Face stacks": [r for r in rows if r["stack"] == "hf" and not r["exclusion"]],
+        "Comparison: litgpt and torchtune model code": [
+            r for r in rows if r["stack"] == "comparison" and not r["exclusion"]
+        ],
+        "Left out (the reason in the data; planned where the planner can)": [r for r in rows if r["exclusion"]],
+    }
     if args.quick:
         groups = dict(list(groups.items())[:1])
     for title, members in groups.items():
@@ -289,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'### ' if args.markdown else ''}{title}\n")
         print("\n".join(table(results, args.markdown)))
         if not title.startswith("Left out"):
-            print("\nWorst error per statistic (predicted - published, % of published):" + ("\n" if args.markdown else ""))
+            print(
+                "\nWorst error per statistic (predicted - published, % of published):" + ("\n" if args.markdown else "")
+            )
             print("\n".join(worst_errors(results, "- " if args.markdown else "  ")))
             if title.startswith("Hugging Face") and (residue := loader_residue(results)):
                 print(f"\n{'- ' if args.markdown else '  '}{residue}")
@@ -298,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("\nWhy each is left out:" + ("\n" if args.markdown else ""))
             print("\n".join(f"{'- ' if args.markdown else '  '}{r['id']}: {r['exclusion']}" for r in members))
-    print("\nalloc: a statistic compared with the allocated prediction (a plan without a GPU); trust grades: "
-          + "; ".join(f"{k} {v}" for k, v in TRUST.items()) + ".")
+    print(
+        "\nalloc: a statistic compared with the allocated prediction (a plan without a GPU); trust grades: "
+        + "; ".join(f"{k} {v}" for k, v in TRUST.items())
+        + "."
+    )
     return 0
 
 

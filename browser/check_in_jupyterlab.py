@@ -45,10 +45,24 @@ def lab(tmp_path_factory):
         shutil.copytree(ROOT / folder, root / folder)
     port, token = _free_port(), secrets.token_hex(16)
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root",
-         f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--allow-root",
+            f"--LabApp.user_settings_dir={root / '.settings'}",
+            f"--LabApp.workspaces_dir={root / '.workspaces'}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -73,9 +87,12 @@ def lab(tmp_path_factory):
 
 
 def _api(lab, method, path, body=None):
-    request = urllib.request.Request(f"{lab['base']}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Authorization": f"token {lab['token']}"})
+    request = urllib.request.Request(
+        f"{lab['base']}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"token {lab['token']}"},
+    )
     with urllib.request.urlopen(request, timeout=30) as reply:
         return reply.read()
 

@@ -53,7 +53,7 @@ class AllocatorEvents:
             node = stack.pop()
             stack.extend(node.children)
             if node.name.startswith(_MARK):
-                events.append((node.start_time_ns, 1, node.name[len(_MARK):], 0))
+                events.append((node.start_time_ns, 1, node.name[len(_MARK) :], 0))
             elif str(node.tag).endswith("Allocation") and node.extra_fields.device.type == "cpu":
                 events.append((node.start_time_ns, 0, node.extra_fields.ptr, node.extra_fields.alloc_size))
         current, phase, peaks, made = baseline, None, {}, {}

@@ -33,12 +33,12 @@ import bisect
 from dataclasses import dataclass
 
 KiB, MiB = 1024, 1024 * 1024
-MIN_BLOCK = 512               # kMinBlockSize
-SMALL_SIZE = 1 * MiB          # kSmallSize: the largest request of the small pool
-SMALL_BUFFER = 2 * MiB        # kSmallBuffer: a small pool segment
-LARGE_BUFFER = 20 * MiB       # kLargeBuffer: the segment of a large request under kMinLargeAlloc
-MIN_LARGE_ALLOC = 10 * MiB    # kMinLargeAlloc
-ROUND_LARGE = 2 * MiB         # kRoundLarge
+MIN_BLOCK = 512  # kMinBlockSize
+SMALL_SIZE = 1 * MiB  # kSmallSize: the largest request of the small pool
+SMALL_BUFFER = 2 * MiB  # kSmallBuffer: a small pool segment
+LARGE_BUFFER = 20 * MiB  # kLargeBuffer: the segment of a large request under kMinLargeAlloc
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
+ROUND_LARGE = 2 * MiB  # kRoundLarge
 
 
 def round_size(nbytes: int) -> int:
@@ -60,8 +60,10 @@ class AllocatorOutOfMemory(RuntimeError):
     """A cudaMalloc failed even after the cached segments were released (lessons 1 and 4)."""
 
     def __init__(self, requested: int, reserved: int, capacity: int) -> None:
-        super().__init__(f"a new segment of {requested:,} bytes does not fit: {reserved:,} of {capacity:,} "
-                         "bytes reserved after releasing the cached segments")
+        super().__init__(
+            f"a new segment of {requested:,} bytes does not fit: {reserved:,} of {capacity:,} "
+            "bytes reserved after releasing the cached segments"
+        )
         self.requested, self.reserved, self.capacity = requested, reserved, capacity
 
 
@@ -209,8 +211,14 @@ class CachingAllocator:
         self._insert(block)
 
     def stats(self) -> AllocatorStats:
-        return AllocatorStats(self.allocated, self.reserved, self.peak_allocated, self.peak_reserved,
-                              len(self.segment_bytes), self.oom_retries)
+        return AllocatorStats(
+            self.allocated,
+            self.reserved,
+            self.peak_allocated,
+            self.peak_reserved,
+            len(self.segment_bytes),
+            self.oom_retries,
+        )
 
 
 EMPTY_CACHE = None  # a `replay` entry: torch.cuda.empty_cache() at that point

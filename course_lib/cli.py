@@ -17,8 +17,9 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[kKmMbBtT]?$|^-(inf|nan)$",
-                                                   re.IGNORECASE)
+        self._negative_number_matcher = re.compile(
+            r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[kKmMbBtT]?$|^-(inf|nan)$", re.IGNORECASE
+        )
 
     def error(self, message: str) -> None:
         raise UserError(f"{message} (see `{self.prog} --help`)")
@@ -54,9 +55,17 @@ def _grade(args: argparse.Namespace) -> int:
     # off the import path: course_lib.grading imports nbclient and nbformat (seconds): keeps `course-lib plan` light
     from course_lib.grading import grade
 
-    return grade(args.notebooks, args.csv, reference_dir=args.reference, cell_timeout=args.timeout,
-                 notebook_timeout=args.notebook_timeout, jobs=args.jobs, only_errors=args.only_errors,
-                 as_recorded=args.as_recorded, junit_path=args.junit)
+    return grade(
+        args.notebooks,
+        args.csv,
+        reference_dir=args.reference,
+        cell_timeout=args.timeout,
+        notebook_timeout=args.notebook_timeout,
+        jobs=args.jobs,
+        only_errors=args.only_errors,
+        as_recorded=args.as_recorded,
+        junit_path=args.junit,
+    )
 
 
 def _checked(check, **options):
@@ -95,20 +104,37 @@ def _plan(args: argparse.Namespace) -> int:
     from course_lib.planner import PlanError, plan_from_cli
 
     try:
-        result = plan_from_cli(args.model, params=args.params, precision=args.precision, optimizer=args.optimizer,
-                               lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                               lora_dropout=args.lora_dropout,
-                               autocast_adapter_dtype=args.autocast_adapter_dtype, quant=args.quant, batch=args.batch,
-                               seq=args.seq, checkpointing=args.checkpointing, accum=args.accum,
-                               attention=args.attention, loop=args.loop,
-                               legacy_causal_lm_loss=args.legacy_causal_lm_loss,
-                               empty_cache_each_step=args.empty_cache_each_step, gpu=args.gpu, gpus=args.gpus,
-                               shard=args.shard, fsdp_wrapping=args.fsdp_wrapping,
-                               fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_reshard_root=args.fsdp_reshard_root,
-                               fsdp_version=args.fsdp_version, fsdp_backward_prefetch=args.fsdp_backward_prefetch,
-                               fsdp_wrap_from=args.fsdp_wrap_from,
-                               optimizer_in_backward=args.optimizer_in_backward, chunked_loss=args.chunked_loss,
-                               offload_activations=args.offload_activations)
+        result = plan_from_cli(
+            args.model,
+            params=args.params,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            lora_rank=args.lora_rank,
+            lora_targets=args.lora_targets,
+            lora_dropout=args.lora_dropout,
+            autocast_adapter_dtype=args.autocast_adapter_dtype,
+            quant=args.quant,
+            batch=args.batch,
+            seq=args.seq,
+            checkpointing=args.checkpointing,
+            accum=args.accum,
+            attention=args.attention,
+            loop=args.loop,
+            legacy_causal_lm_loss=args.legacy_causal_lm_loss,
+            empty_cache_each_step=args.empty_cache_each_step,
+            gpu=args.gpu,
+            gpus=args.gpus,
+            shard=args.shard,
+            fsdp_wrapping=args.fsdp_wrapping,
+            fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+            fsdp_reshard_root=args.fsdp_reshard_root,
+            fsdp_version=args.fsdp_version,
+            fsdp_backward_prefetch=args.fsdp_backward_prefetch,
+            fsdp_wrap_from=args.fsdp_wrap_from,
+            optimizer_in_backward=args.optimizer_in_backward,
+            chunked_loss=args.chunked_loss,
+            offload_activations=args.offload_activations,
+        )
     except PlanError as error:
         raise UserError(str(error)) from None
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
@@ -129,105 +155,251 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(run=_make_exercises)
 
     grade = commands.add_parser("grade", help="run notebooks with the course's own check cells; PASS/FAIL per exercise")
-    grade.add_argument("notebooks", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
-                       help="notebooks (.ipynb), or folders of them (e.g. one per learner); not modified")
+    grade.add_argument(
+        "notebooks",
+        nargs="+",
+        metavar="NOTEBOOK_OR_FOLDER",
+        help="notebooks (.ipynb), or folders of them (e.g. one per learner); not modified",
+    )
     grade.add_argument("--csv", metavar="FILE", help="also write a gradebook: one row per notebook and exercise")
-    grade.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report, one test case per notebook "
-                       "and exercise (for a course's CI or a classroom autograder)")
-    grade.add_argument("--as-recorded", action="store_true",
-                       help="grade a notebook whose recorded exercise is of another lesson than its file name says "
-                            "as the exercise it records (by default it is a FAIL)")
-    grade.add_argument("--reference", metavar="DIR", help="the instructor's copy the setup and check cells come "
-                       "from: a folder of the course's exercises or solutions (default: the course's solutions/)")
-    grade.add_argument("--timeout", type=_checked(validate.positive), default=300, metavar="SECONDS",
-                       help="the longest a cell may run (default 300)")
-    grade.add_argument("--notebook-timeout", type=_checked(validate.positive), default=1800, metavar="SECONDS",
-                       help="the longest a whole notebook may run, once its kernel is up (default 1800)")
-    grade.add_argument("--jobs", type=_POSITIVE_INT, metavar="N",
-                       help="grade N notebooks at once, each in its own kernel (default: what this machine can "
-                            "run, by its CPU cores or its available memory, whichever binds)")
-    grade.add_argument("--only-errors", action="store_true",
-                       help="grade again only the notebooks whose rows in the --csv gradebook say ERROR (the "
-                            "grader could not start a kernel), and put their new rows in its place")
+    grade.add_argument(
+        "--junit",
+        metavar="FILE",
+        help="also write a JUnit XML report, one test case per notebook "
+        "and exercise (for a course's CI or a classroom autograder)",
+    )
+    grade.add_argument(
+        "--as-recorded",
+        action="store_true",
+        help="grade a notebook whose recorded exercise is of another lesson than its file name says "
+        "as the exercise it records (by default it is a FAIL)",
+    )
+    grade.add_argument(
+        "--reference",
+        metavar="DIR",
+        help="the instructor's copy the setup and check cells come "
+        "from: a folder of the course's exercises or solutions (default: the course's solutions/)",
+    )
+    grade.add_argument(
+        "--timeout",
+        type=_checked(validate.positive),
+        default=300,
+        metavar="SECONDS",
+        help="the longest a cell may run (default 300)",
+    )
+    grade.add_argument(
+        "--notebook-timeout",
+        type=_checked(validate.positive),
+        default=1800,
+        metavar="SECONDS",
+        help="the longest a whole notebook may run, once its kernel is up (default 1800)",
+    )
+    grade.add_argument(
+        "--jobs",
+        type=_POSITIVE_INT,
+        metavar="N",
+        help="grade N notebooks at once, each in its own kernel (default: what this machine can "
+        "run, by its CPU cores or its available memory, whichever binds)",
+    )
+    grade.add_argument(
+        "--only-errors",
+        action="store_true",
+        help="grade again only the notebooks whose rows in the --csv gradebook say ERROR (the "
+        "grader could not start a kernel), and put their new rows in its place",
+    )
     grade.set_defaults(run=_grade)
 
-    kernelspec = commands.add_parser("kernelspec", help="write notebooks as JupyterLab saves them, so that "
-                                     "opening and saving one changes nothing (for maintainers, after a merge)")
-    kernelspec.add_argument("folders", nargs="*", default=["notebooks", "solutions"], metavar="FOLDER",
-                            help="folders of notebooks (default: notebooks solutions)")
+    kernelspec = commands.add_parser(
+        "kernelspec",
+        help="write notebooks as JupyterLab saves them, so that "
+        "opening and saving one changes nothing (for maintainers, after a merge)",
+    )
+    kernelspec.add_argument(
+        "folders",
+        nargs="*",
+        default=["notebooks", "solutions"],
+        metavar="FOLDER",
+        help="folders of notebooks (default: notebooks solutions)",
+    )
     kernelspec.set_defaults(run=_kernelspec)
 
     plan = commands.add_parser("plan", help="predict the memory of a training step and whether it fits a GPU")
-    plan.add_argument("model", nargs="?", metavar="MODEL_OR_CONFIG",
-                      help="a bundled model (e.g. llama-3.1-8b), a config.json or its folder; or use --params")
+    plan.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL_OR_CONFIG",
+        help="a bundled model (e.g. llama-3.1-8b), a config.json or its folder; or use --params",
+    )
     plan.add_argument("--params", help="a raw parameter count, e.g. 7e9 (activations are then unknown)")
-    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "mixed-bf16-fp32grads",
-                                              "mixed-fp16-fp32grads", "amp-bf16", "amp-fp16"),
-                      help="bf16/fp16: pure 16-bit; mixed-*: 16-bit weights and gradients with an fp32 master copy "
-                           "(ZeRO/Megatron); mixed-*-fp32grads: Megatron's fp32 main gradients too (18 and 20 bytes "
-                           "a parameter with Adam); amp-*: the Trainer's bf16=True/fp16=True, fp32 weights and gradients "
-                           "with torch.autocast. Default with --gpu: amp-bf16 (amp-fp16 on a GPU without bf16), "
-                           "the Trainer's; without --gpu or with --gpus: mixed-bf16 (mixed-fp16); the base's dtype "
-                           "for --quant")
-    plan.add_argument("--optimizer", default="adamw", choices=("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit",
-                      "paged_adamw8bit", "paged_adamw32bit", "adafactor", "lion"), help="default: adamw")
-    plan.add_argument("--lora-rank", type=_checked(validate.non_negative_int), default=0, metavar="R", help="train LoRA adapters of rank R")
-    plan.add_argument("--lora-targets", type=_lora_targets, metavar="NAMES",
-                      help="modules that get adapters, comma-separated (e.g. q_proj,v_proj; default all-linear: "
-                           "every linear layer but the output layer)")
-    plan.add_argument("--lora-dropout", type=_checked(validate.probability, below_one=True), metavar="P",
-                      help="peft's lora_dropout (default 0.0, peft's; the QLoRA paper used 0.05 and 0.1)")
-    plan.add_argument("--no-autocast-adapter-dtype", dest="autocast_adapter_dtype", action="store_false",
-                      default=None, help="adapters in the base's dtype, as peft made them before 0.11 (default: "
-                                         "get_peft_model's autocast_adapter_dtype=True, fp32 adapters)")
+    plan.add_argument(
+        "--precision",
+        choices=(
+            "fp32",
+            "bf16",
+            "fp16",
+            "mixed-bf16",
+            "mixed-fp16",
+            "mixed-bf16-fp32grads",
+            "mixed-fp16-fp32grads",
+            "amp-bf16",
+            "amp-fp16",
+        ),
+        help="bf16/fp16: pure 16-bit; mixed-*: 16-bit weights and gradients with an fp32 master copy "
+        "(ZeRO/Megatron); mixed-*-fp32grads: Megatron's fp32 main gradients too (18 and 20 bytes "
+        "a parameter with Adam); amp-*: the Trainer's bf16=True/fp16=True, fp32 weights and gradients "
+        "with torch.autocast. Default with --gpu: amp-bf16 (amp-fp16 on a GPU without bf16), "
+        "the Trainer's; without --gpu or with --gpus: mixed-bf16 (mixed-fp16); the base's dtype "
+        "for --quant",
+    )
+    plan.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=(
+            "sgd",
+            "momentum",
+            "adamw",
+            "adamw_fused",
+            "adamw8bit",
+            "paged_adamw8bit",
+            "paged_adamw32bit",
+            "adafactor",
+            "lion",
+        ),
+        help="default: adamw",
+    )
+    plan.add_argument(
+        "--lora-rank",
+        type=_checked(validate.non_negative_int),
+        default=0,
+        metavar="R",
+        help="train LoRA adapters of rank R",
+    )
+    plan.add_argument(
+        "--lora-targets",
+        type=_lora_targets,
+        metavar="NAMES",
+        help="modules that get adapters, comma-separated (e.g. q_proj,v_proj; default all-linear: "
+        "every linear layer but the output layer)",
+    )
+    plan.add_argument(
+        "--lora-dropout",
+        type=_checked(validate.probability, below_one=True),
+        metavar="P",
+        help="peft's lora_dropout (default 0.0, peft's; the QLoRA paper used 0.05 and 0.1)",
+    )
+    plan.add_argument(
+        "--no-autocast-adapter-dtype",
+        dest="autocast_adapter_dtype",
+        action="store_false",
+        default=None,
+        help="adapters in the base's dtype, as peft made them before 0.11 (default: "
+        "get_peft_model's autocast_adapter_dtype=True, fp32 adapters)",
+    )
     plan.add_argument("--quant", default="none", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA)")
     # no argparse defaults for what --params cannot use: the planner tells given options from defaults
     plan.add_argument("--batch", type=_POSITIVE_INT, help="micro-batch size (default 1)")
     plan.add_argument("--seq", type=_POSITIVE_INT, help="sequence length in tokens (default 512)")
-    plan.add_argument("--checkpointing", metavar="PLAN",
-                      help="none (default), every-layer, sqrt, every-K (e.g. every-2) or hf-every-K "
-                           "(Hugging Face's every_n_layers=K)")
+    plan.add_argument(
+        "--checkpointing",
+        metavar="PLAN",
+        help="none (default), every-layer, sqrt, every-K (e.g. every-2) or hf-every-K "
+        "(Hugging Face's every_n_layers=K)",
+    )
     plan.add_argument("--accum", type=_POSITIVE_INT, help="gradient accumulation steps (default 1)")
     plan.add_argument("--attention", choices=("sdpa", "eager"), help="attention kernel (default sdpa)")
-    plan.add_argument("--loop", choices=("trainer", "keep-outputs", "outputs-until-step"),
-                      help="trainer (default): only the loss is kept; keep-outputs: `outputs = model(**batch)` "
-                           "keeps the logits alive through backward, the step and the next forward; "
-                           "outputs-until-step: released after the step")
-    plan.add_argument("--legacy-causal-lm-loss", action="store_true", default=None,
-                      help="the loss as transformers before 4.46 computed it: fp32 logits returned, the shifted "
-                           "logits copied")
-    plan.add_argument("--empty-cache-each-step", action="store_true", default=None,
-                      help="the loop calls torch.cuda.empty_cache() after each step (changes the reserved memory)")
+    plan.add_argument(
+        "--loop",
+        choices=("trainer", "keep-outputs", "outputs-until-step"),
+        help="trainer (default): only the loss is kept; keep-outputs: `outputs = model(**batch)` "
+        "keeps the logits alive through backward, the step and the next forward; "
+        "outputs-until-step: released after the step",
+    )
+    plan.add_argument(
+        "--legacy-causal-lm-loss",
+        action="store_true",
+        default=None,
+        help="the loss as transformers before 4.46 computed it: fp32 logits returned, the shifted logits copied",
+    )
+    plan.add_argument(
+        "--empty-cache-each-step",
+        action="store_true",
+        default=None,
+        help="the loop calls torch.cuda.empty_cache() after each step (changes the reserved memory)",
+    )
     # lesson 7's tricks
-    plan.add_argument("--optimizer-in-backward", action="store_true", default=None,
-                      help="step each parameter in backward and free its gradient there (no accumulation)")
-    plan.add_argument("--chunked-loss", type=_POSITIVE_INT, metavar="TOKENS",
-                      help="output layer and loss computed TOKENS tokens at a time, recomputed in backward")
-    plan.add_argument("--offload-activations", action="store_true", default=None,
-                      help="what autograd saves goes to host memory (torch's save_on_cpu)")
-    plan.add_argument("--gpu", help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
-                                    "h200, rtx3090, rtx4090, l40s, a6000, v100-16gb")
-    plan.add_argument("--gpus", type=_POSITIVE_INT, metavar="N", help="N GPUs train together (data parallel); the plan "
-                                                           "is one GPU's share, --batch per GPU (lesson 6)")
-    plan.add_argument("--shard", metavar="STAGE", help="what the N GPUs partition: none (DDP, default), zero1 "
-                                                       "(optimizer state), zero2 (+ gradients), zero3 (+ weights)")
-    plan.add_argument("--fsdp-wrapping", choices=("blocks", "torchtitan"),
-                      help="zero2/zero3: blocks (default: each decoder layer, then the root) or torchtitan "
-                           "(embeddings, each layer, [norm, output], then the root)")
-    plan.add_argument("--fsdp-reduce-dtype", choices=("fp32",),
-                      help="zero2/zero3: reduce-scatter the gradients in fp32 (default: the compute dtype)")
-    plan.add_argument("--fsdp-keep-root-gathered", dest="fsdp_reshard_root", action="store_false", default=None,
-                      help="zero3: the root is not resharded after forward (FSDP2's default; the course's zero3 "
-                           "reshards it: 3 P sent)")
-    plan.add_argument("--fsdp-version", type=int, choices=(1, 2),
-                      help="zero2/zero3: 2 (FSDP2, default) or 1 (accelerate's FSDP1, the Trainer's FSDP recipes)")
-    plan.add_argument("--fsdp-backward-prefetch", action="store_true", default=None,
-                      help="--fsdp-version 1: BACKWARD_PRE, FullyShardedDataParallel's own default (accelerate's: "
-                           "none)")
-    plan.add_argument("--fsdp-wrap-from", choices=("cpu", "cpu-broadcast"),
-                      help="FSDP1 (or --shard none: its NO_SHARD) wraps a model on the CPU, which leaves blocks "
-                           "cached before the first step; cpu-broadcast: with sync_module_states (accelerate's "
-                           "cpu_ram_efficient_loading). Changes the reserved memory")
+    plan.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        default=None,
+        help="step each parameter in backward and free its gradient there (no accumulation)",
+    )
+    plan.add_argument(
+        "--chunked-loss",
+        type=_POSITIVE_INT,
+        metavar="TOKENS",
+        help="output layer and loss computed TOKENS tokens at a time, recomputed in backward",
+    )
+    plan.add_argument(
+        "--offload-activations",
+        action="store_true",
+        default=None,
+        help="what autograd saves goes to host memory (torch's save_on_cpu)",
+    )
+    plan.add_argument(
+        "--gpu",
+        help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
+        "h200, rtx3090, rtx4090, l40s, a6000, v100-16gb",
+    )
+    plan.add_argument(
+        "--gpus",
+        type=_POSITIVE_INT,
+        metavar="N",
+        help="N GPUs train together (data parallel); the plan is one GPU's share, --batch per GPU (lesson 6)",
+    )
+    plan.add_argument(
+        "--shard",
+        metavar="STAGE",
+        help="what the N GPUs partition: none (DDP, default), zero1 "
+        "(optimizer state), zero2 (+ gradients), zero3 (+ weights)",
+    )
+    plan.add_argument(
+        "--fsdp-wrapping",
+        choices=("blocks", "torchtitan"),
+        help="zero2/zero3: blocks (default: each decoder layer, then the root) or torchtitan "
+        "(embeddings, each layer, [norm, output], then the root)",
+    )
+    plan.add_argument(
+        "--fsdp-reduce-dtype",
+        choices=("fp32",),
+        help="zero2/zero3: reduce-scatter the gradients in fp32 (default: the compute dtype)",
+    )
+    plan.add_argument(
+        "--fsdp-keep-root-gathered",
+        dest="fsdp_reshard_root",
+        action="store_false",
+        default=None,
+        help="zero3: the root is not resharded after forward (FSDP2's default; the course's zero3 "
+        "reshards it: 3 P sent)",
+    )
+    plan.add_argument(
+        "--fsdp-version",
+        type=int,
+        choices=(1, 2),
+        help="zero2/zero3: 2 (FSDP2, default) or 1 (accelerate's FSDP1, the Trainer's FSDP recipes)",
+    )
+    plan.add_argument(
+        "--fsdp-backward-prefetch",
+        action="store_true",
+        default=None,
+        help="--fsdp-version 1: BACKWARD_PRE, FullyShardedDataParallel's own default (accelerate's: none)",
+    )
+    plan.add_argument(
+        "--fsdp-wrap-from",
+        choices=("cpu", "cpu-broadcast"),
+        help="FSDP1 (or --shard none: its NO_SHARD) wraps a model on the CPU, which leaves blocks "
+        "cached before the first step; cpu-broadcast: with sync_module_states (accelerate's "
+        "cpu_ram_efficient_loading). Changes the reserved memory",
+    )
     plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser

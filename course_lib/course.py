@@ -31,9 +31,12 @@ TEXT_WIDTH = 110
 
 def wrapped(text: str, indent: str = "  ") -> str:
     """`text` with each line longer than TEXT_WIDTH broken at spaces, its continuation lines indented."""
-    return "\n".join(textwrap.fill(line, TEXT_WIDTH, subsequent_indent=indent, break_long_words=False,
-                                    break_on_hyphens=False) if len(line) > TEXT_WIDTH else line
-                      for line in text.splitlines())
+    return "\n".join(
+        textwrap.fill(line, TEXT_WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+        if len(line) > TEXT_WIDTH
+        else line
+        for line in text.splitlines()
+    )
 
 
 def colab_url(path: str | Path) -> str:

@@ -77,11 +77,19 @@ def policy_for_capability(capability: tuple[int, int] | None) -> DtypePolicy:
     if capability is None:
         return DtypePolicy(torch.float32, None, False, "CPU: fp32 throughout, exact and simple")
     if capability >= (8, 0):
-        return DtypePolicy(torch.float32, torch.bfloat16, False,
-                           f"compute capability {capability[0]}.{capability[1]} >= 8.0: bf16 autocast")
-    return DtypePolicy(torch.float32, torch.float16, True,
-                       f"compute capability {capability[0]}.{capability[1]} < 8.0 has no bf16 hardware: "
-                       "fp16 autocast, fp32 trainable parameters, GradScaler")
+        return DtypePolicy(
+            torch.float32,
+            torch.bfloat16,
+            False,
+            f"compute capability {capability[0]}.{capability[1]} >= 8.0: bf16 autocast",
+        )
+    return DtypePolicy(
+        torch.float32,
+        torch.float16,
+        True,
+        f"compute capability {capability[0]}.{capability[1]} < 8.0 has no bf16 hardware: "
+        "fp16 autocast, fp32 trainable parameters, GradScaler",
+    )
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,11 @@ def _version_check(package: str, version: str, ranges: dict[str, SpecifierSet]) 
     wanted = ranges.get(package)
     if wanted is None or wanted.contains(Version(version), prereleases=True):
         return Check(True, package, version)
-    return Check(False, package, f"{version}, but course_lib needs {package}{wanted}; "
-                                 f"run: pip install '{package}{wanted}', then restart")
+    return Check(
+        False,
+        package,
+        f"{version}, but course_lib needs {package}{wanted}; run: pip install '{package}{wanted}', then restart",
+    )
 
 
 def environment_checks() -> list[Check]:
@@ -142,8 +153,14 @@ def environment_checks() -> list[Check]:
     checks = [Check(True, "python", sys.version.split()[0])]
     ranges = declared_ranges()
     if not ranges:
-        checks.append(Check(False, "course-lib", "not installed, so its version ranges cannot be checked: "
-                                                 "run `pip install -e .` in the course folder (or the setup cell)"))
+        checks.append(
+            Check(
+                False,
+                "course-lib",
+                "not installed, so its version ranges cannot be checked: "
+                "run `pip install -e .` in the course folder (or the setup cell)",
+            )
+        )
     checks.append(_version_check("torch", torch.__version__, ranges))
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
@@ -157,16 +174,29 @@ def environment_checks() -> list[Check]:
         try:
             module = importlib.import_module(package)
         except Exception as error:  # an import can fail in many ways: report, don't crash
-            checks.append(Check(False, package, f"not importable ({type(error).__name__}: {error}); "
-                                                 f"run: pip install {package}"))
+            checks.append(
+                Check(False, package, f"not importable ({type(error).__name__}: {error}); run: pip install {package}")
+            )
             continue
         checks.append(_version_check(package, getattr(module, "__version__", "0"), ranges))
-    changed = [msg for pkg, mod in (("torch", "torch"), ("transformers", "transformers"),
-                                    ("bitsandbytes", "bitsandbytes"), ("numpy", "numpy"))
-               if (msg := _imported_but_changed(pkg, mod))]
+    changed = [
+        msg
+        for pkg, mod in (
+            ("torch", "torch"),
+            ("transformers", "transformers"),
+            ("bitsandbytes", "bitsandbytes"),
+            ("numpy", "numpy"),
+        )
+        if (msg := _imported_but_changed(pkg, mod))
+    ]
     if changed:
-        checks.append(Check(False, "restart", "; ".join(changed) +
-                            ": restart the runtime (Colab: Runtime > Restart session), then run again"))
+        checks.append(
+            Check(
+                False,
+                "restart",
+                "; ".join(changed) + ": restart the runtime (Colab: Runtime > Restart session), then run again",
+            )
+        )
     else:
         checks.append(Check(True, "restart", "not needed"))
     return checks

@@ -40,14 +40,23 @@ def run(target: str, *, env: dict[str, str] | None = None, timeout: float | None
     if ":" not in target:
         raise UserError(f"target must be 'package.module:function', got {target!r}")
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, target], input=json.dumps(kwargs),
-                              capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, target],
+            input=json.dumps(kwargs),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
     except subprocess.TimeoutExpired:
         return {"status": "crashed", "error": f"timed out after {timeout} s", "returncode": None, "pid": None}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(_MARK):
-            return json.loads(line[len(_MARK):])
+            return json.loads(line[len(_MARK) :])
     errors = [line for line in done.stderr.splitlines() if line.strip()]
-    return {"status": "crashed", "error": errors[-1] if errors else "no result and no error message",
-            "returncode": done.returncode, "pid": None}
+    return {
+        "status": "crashed",
+        "error": errors[-1] if errors else "no result and no error message",
+        "returncode": done.returncode,
+        "pid": None,
+    }

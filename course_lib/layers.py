@@ -15,13 +15,21 @@ def find_layer_stack(model: nn.Module) -> nn.ModuleList | nn.Sequential:
     inside a layer (a mixture of experts' `experts`) is never the stack, however long (lesson 3)."""
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
         return model
-    stacks = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, nn.ModuleList) and len(module) and len({type(layer) for layer in module}) == 1]
-    outermost = [(name, module) for name, module in stacks
-                 if not any(name.startswith(f"{other}.") for other, _ in stacks if other != name)]
+    stacks = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(layer) for layer in module}) == 1
+    ]
+    outermost = [
+        (name, module)
+        for name, module in stacks
+        if not any(name.startswith(f"{other}.") for other, _ in stacks if other != name)
+    ]
     if not outermost:
-        raise UserError(f"no layer stack found in {type(model).__name__}: pass an nn.Sequential, an "
-                        f"nn.ModuleList, or a model holding an nn.ModuleList of identical layers")
+        raise UserError(
+            f"no layer stack found in {type(model).__name__}: pass an nn.Sequential, an "
+            f"nn.ModuleList, or a model holding an nn.ModuleList of identical layers"
+        )
     return max(outermost, key=lambda item: len(item[1]))[1]
 
 

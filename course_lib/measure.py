@@ -21,9 +21,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from course_lib.errors import UserError
 from course_lib import validate
 from course_lib.allocator_events import AllocatorEvents, profiler_peak  # noqa: F401  (lesson 0 imports it from here)
+from course_lib.errors import UserError
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 PHASES = ("forward", "backward", "optimizer")
@@ -70,8 +70,7 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
     """Every tensor held in `optimizer.state` (moments, step counters, quantization maps)."""
     if optimizer is None:
         return []
-    return [value for state in optimizer.state.values() for value in state.values()
-            if isinstance(value, torch.Tensor)]
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
 
 
 # `torch.tensor(data)` builds its tensor outside any operator, then passes it through one of these.
@@ -150,8 +149,11 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {self.storage_key(t, t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            self.storage_key(t, t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **kwargs)
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor):
@@ -161,7 +163,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if key in self.live:
                 self._resized(key, storage.nbytes())
             elif key not in inputs or func in _LIFTS:  # an input's storage not counted was alive before,
-                self.watch(tensor)                      # but for `torch.tensor(data)`'s, made just now
+                self.watch(tensor)  # but for `torch.tensor(data)`'s, made just now
         return out
 
     def _resized(self, key, nbytes: int) -> None:
@@ -226,18 +228,22 @@ class StepMemory(PlainTextTable):
 
     def rows(self) -> list[tuple[str, int | None]]:
         """(label, bytes) in display order."""
-        rows = [("parameters", self.parameters), ("gradients", self.gradients),
-                ("optimizer state", self.optimizer_state),
-                ("saved for backward", self.saved_for_backward),
-                ("live before the step", self.baseline)]
-        rows += [(f"peak in {phase}", self.phase_peaks.get(phase)) for phase in PHASES
-                 if phase in self.phase_peaks]
+        rows = [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("saved for backward", self.saved_for_backward),
+            ("live before the step", self.baseline),
+        ]
+        rows += [(f"peak in {phase}", self.phase_peaks.get(phase)) for phase in PHASES if phase in self.phase_peaks]
         rows.append(("peak of the step", self.peak))
         if self.inside_operators:
             rows.append(("  of which inside operators", self.inside_operators))
         if self.reserved is not None:
-            rows += [("reserved by the allocator", self.reserved),
-                     ("outside PyTorch (context, other processes)", self.outside_pytorch)]
+            rows += [
+                ("reserved by the allocator", self.reserved),
+                ("outside PyTorch (context, other processes)", self.outside_pytorch),
+            ]
         return rows
 
     def to_dict(self) -> dict:
@@ -253,12 +259,13 @@ class StepMemory(PlainTextTable):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        body = "".join(f"<tr><td style='text-align:left'>{html.escape(label)}</td>"
-                       f"<td style='text-align:right'>{format_bytes(value)}</td></tr>"
-                       for label, value in self.rows())
+        body = "".join(
+            f"<tr><td style='text-align:left'>{html.escape(label)}</td>"
+            f"<td style='text-align:right'>{format_bytes(value)}</td></tr>"
+            for label, value in self.rows()
+        )
         caption = html.escape(f"One training step on {self.device} ({self.method})")
-        return (f"<table><caption>{caption}</caption><tr><th>category</th><th>memory</th></tr>"
-                f"{body}</table>")
+        return f"<table><caption>{caption}</caption><tr><th>category</th><th>memory</th></tr>{body}</table>"
 
 
 class SavedTensorRecorder:
@@ -283,7 +290,7 @@ class SavedTensorRecorder:
     def bytes(self) -> int:
         return sum(self.saved.values())
 
-    def __enter__(self) -> "SavedTensorRecorder":
+    def __enter__(self) -> SavedTensorRecorder:
         self._hooks.__enter__()
         return self
 
@@ -291,8 +298,12 @@ class SavedTensorRecorder:
         self._hooks.__exit__(*exc)
 
 
-def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 loss_fn: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor] = ()) -> StepMemory:
+def measure_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: Callable[[], torch.Tensor],
+    inputs: Iterable[torch.Tensor] = (),
+) -> StepMemory:
     """Run one training step and account for its memory by category (lesson 0).
 
     `loss_fn()` runs the forward pass and returns a scalar loss; `inputs` are the batch tensors it
@@ -317,20 +328,30 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
         tracked = None
     else:
         baseline, tracked, allocator, timeline = _cpu_peaks(
-            lambda begin: _run_phases(begin, optimizer, loss_fn, recorder), baseline_tensors)
+            lambda begin: _run_phases(begin, optimizer, loss_fn, recorder), baseline_tensors
+        )
         peaks, reserved, outside = allocator or tracked, None, None
-        method = ("allocator events, the live-storage tracker beside" if allocator else
-                  "live-storage tracker (another profiler was running)")
+        method = (
+            "allocator events, the live-storage tracker beside"
+            if allocator
+            else "live-storage tracker (another profiler was running)"
+        )
     return StepMemory(
-        device=str(device), method=method,
+        device=str(device),
+        method=method,
         parameters=storage_bytes(model.parameters()),
         gradients=storage_bytes(p.grad for p in model.parameters()),
         optimizer_state=storage_bytes(optimizer_state_tensors(optimizer)),
         saved_for_backward=recorder.bytes,
-        baseline=baseline, peak=max(peaks.values()), phase_peaks=dict(peaks),
-        reserved=reserved, outside_pytorch=outside, timeline=timeline,
+        baseline=baseline,
+        peak=max(peaks.values()),
+        phase_peaks=dict(peaks),
+        reserved=reserved,
+        outside_pytorch=outside,
+        timeline=timeline,
         tracked_peak=None if tracked is None else max(tracked.values()),
-        tracked_phase_peaks=tracked)
+        tracked_phase_peaks=tracked,
+    )
 
 
 def peak_bytes(step: Callable[[], None], live: Iterable[torch.Tensor], device: torch.device) -> int:
@@ -349,6 +370,7 @@ def peak_bytes(step: Callable[[], None], live: Iterable[torch.Tensor], device: t
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) + paged
+
     def run(begin):
         begin("step")
         step()
@@ -370,9 +392,11 @@ def _cpu_peaks(run: Callable[[Callable[[str], None]], None], live: Iterable[torc
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live if t.device.type == "cpu"}
     events = AllocatorEvents()
     with events, tracker:
+
         def begin(phase: str) -> None:
             tracker.set_phase(phase)
             events.mark(phase)
+
         run(begin)
     tracked = {phase: peak for phase, peak in tracker.phase_peaks.items() if phase != "start"}
     return baseline, tracked, events.phase_peaks(baseline, held), tracker.timeline

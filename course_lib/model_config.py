@@ -87,7 +87,7 @@ def load_config(name_or_path: str | Path):
     data = _read_json(path)
     model_type = data.get("model_type")
     if not isinstance(model_type, str):
-        raise ModelNotFound(f"{path}: config has no \"model_type\" string, so the architecture is unknown")
+        raise ModelNotFound(f'{path}: config has no "model_type" string, so the architecture is unknown')
     fields = {k: v for k, v in data.items() if k != "model_type"}
     _check_sizes_given(text if path.parent == CONFIG_DIR else str(path), model_type, fields)
     try:
@@ -115,8 +115,10 @@ def _config_file(text: str) -> Path | None:
         return path
     close = difflib.get_close_matches(key, bundled_models(), n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}? " if close else ""
-    raise ModelNotFound(f"unknown model {text!r}: {hint}use a bundled name "
-                        f"({', '.join(bundled_models())}), a config.json path, or --params N")
+    raise ModelNotFound(
+        f"unknown model {text!r}: {hint}use a bundled name "
+        f"({', '.join(bundled_models())}), a config.json path, or --params N"
+    )
 
 
 SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -129,21 +131,36 @@ def _check_sizes_given(source: str, model_type: str, fields: dict) -> None:
 
     if model_type not in CONFIG_MAPPING:  # transformers' own message lists all its 400 model types
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
-        raise ModelNotFound(f"{source}: unknown \"model_type\" {model_type!r}: "
-                            + (f"did you mean {' or '.join(close)}?" if close else "give the model_type of a "
-                               "transformers architecture (e.g. llama, gpt2, mistral, qwen2)"))
+        raise ModelNotFound(
+            f'{source}: unknown "model_type" {model_type!r}: '
+            + (
+                f"did you mean {' or '.join(close)}?"
+                if close
+                else "give the model_type of a transformers architecture (e.g. llama, gpt2, mistral, qwen2)"
+            )
+        )
     config_class = CONFIG_MAPPING[model_type]
     aliases = getattr(config_class, "attribute_map", {}) or {}
     defaults = config_class()
-    missing = [name for name in SIZE_FIELDS
-               if hasattr(defaults, name) and name not in fields and aliases.get(name) not in fields]
+    missing = [
+        name
+        for name in SIZE_FIELDS
+        if hasattr(defaults, name) and name not in fields and aliases.get(name) not in fields
+    ]
     if missing:
-        raise ModelNotFound(f"{source}: the config has no {', '.join(missing)}; transformers would use "
-                            f"{config_class.__name__}'s defaults (another model's sizes): "
-                            "give this model's own values")
-    _check_size_values(source, {name: fields.get(name, fields.get(aliases.get(name))) for name in SIZE_FIELDS
-                                + ("num_key_value_heads", "intermediate_size", "max_position_embeddings")},
-                       "head_dim" in fields)
+        raise ModelNotFound(
+            f"{source}: the config has no {', '.join(missing)}; transformers would use "
+            f"{config_class.__name__}'s defaults (another model's sizes): "
+            "give this model's own values"
+        )
+    _check_size_values(
+        source,
+        {
+            name: fields.get(name, fields.get(aliases.get(name)))
+            for name in SIZE_FIELDS + ("num_key_value_heads", "intermediate_size", "max_position_embeddings")
+        },
+        "head_dim" in fields,
+    )
 
 
 def _check_size_values(source: str, sizes: dict, head_dim_given: bool) -> None:
@@ -151,14 +168,18 @@ def _check_size_values(source: str, sizes: dict, head_dim_given: bool) -> None:
     the heads: ModelNotFound naming the field and the fix, not transformers' or torch's error (lesson 1)."""
     for name, value in sizes.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ModelNotFound(f"{source}: \"{name}\" must be a positive whole number, got {value!r}")
+            raise ModelNotFound(f'{source}: "{name}" must be a positive whole number, got {value!r}')
     hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if hidden is not None and heads is not None and hidden % heads and not head_dim_given:
-        raise ModelNotFound(f"{source}: \"hidden_size\" {hidden} is not a multiple of \"num_attention_heads\" "
-                            f"{heads}: give a number of heads that divides it (e.g. {_divisor_near(hidden, heads)})")
+        raise ModelNotFound(
+            f'{source}: "hidden_size" {hidden} is not a multiple of "num_attention_heads" '
+            f"{heads}: give a number of heads that divides it (e.g. {_divisor_near(hidden, heads)})"
+        )
     if heads is not None and kv_heads is not None and heads % kv_heads:
-        raise ModelNotFound(f"{source}: \"num_attention_heads\" {heads} is not a multiple of \"num_key_value_heads\" "
-                            f"{kv_heads}: give key/value heads that divide it (e.g. {_divisor_near(heads, kv_heads)})")
+        raise ModelNotFound(
+            f'{source}: "num_attention_heads" {heads} is not a multiple of "num_key_value_heads" '
+            f"{kv_heads}: give key/value heads that divide it (e.g. {_divisor_near(heads, kv_heads)})"
+        )
 
 
 def _divisor_near(whole: int, wanted: int) -> int:
@@ -179,11 +200,14 @@ def _hub_config(hub_id: str):
     except Exception as error:  # offline and not cached, gated, no such repository, remote code
         save = f"save its config.json (https://huggingface.co/{hub_id}/blob/main/config.json) and give its path"
         if offline:
-            raise ModelNotFound(f"{hub_id!r} is no local path and the Hugging Face Hub cannot be reached "
-                                f"(nor is it in the local cache): {save}") from None
+            raise ModelNotFound(
+                f"{hub_id!r} is no local path and the Hugging Face Hub cannot be reached "
+                f"(nor is it in the local cache): {save}"
+            ) from None
         reason = " ".join(str(error).split())[:200]
-        raise ModelNotFound(f"cannot load {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: "
-                            f"{reason}); or {save}") from None
+        raise ModelNotFound(
+            f"cannot load {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: {reason}); or {save}"
+        ) from None
 
 
 def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
@@ -200,8 +224,10 @@ def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
 def _check_causal_lm(config, source: str) -> None:
     """The planner traces decoder-only causal LMs; other architectures get one line (lesson 1)."""
     # off the import path: transformers takes seconds to import
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     model_type = getattr(config, "model_type", "")
     if getattr(config, "is_encoder_decoder", False):
@@ -212,16 +238,19 @@ def _check_causal_lm(config, source: str) -> None:
         kind = "not a causal language model"
     else:
         return
-    raise ModelNotFound(f"{source}: {model_type!r} is {kind}; the planner covers decoder-only causal language "
-                        "models (GPT-2, Llama, Mistral, Qwen2, Phi-3, Gemma-2, ...): plan it with --params N")
+    raise ModelNotFound(
+        f"{source}: {model_type!r} is {kind}; the planner covers decoder-only causal language "
+        "models (GPT-2, Llama, Mistral, Qwen2, Phi-3, Gemma-2, ...): plan it with --params N"
+    )
 
 
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ModelNotFound(f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: "
-                            f"{error.msg})") from None
+        raise ModelNotFound(
+            f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})"
+        ) from None
     except (OSError, UnicodeDecodeError) as error:
         raise ModelNotFound(f"cannot read {path}: {error}") from None
     if not isinstance(data, dict):
@@ -253,8 +282,12 @@ class SavedConfig:
                 plain = False
             if plain:  # not a tuple either
                 fields[name] = value
-        return {"class": type(config).__name__, "json": config.to_json_string(use_diff=False), "fields": fields,
-                "aliases": dict(getattr(type(config), "attribute_map", {}) or {})}
+        return {
+            "class": type(config).__name__,
+            "json": config.to_json_string(use_diff=False),
+            "fields": fields,
+            "aliases": dict(getattr(type(config), "attribute_map", {}) or {}),
+        }
 
     @property
     def class_name(self) -> str:
@@ -265,7 +298,7 @@ class SavedConfig:
 
     def __getattr__(self, name: str):
         if name.startswith("__") or "_record" not in self.__dict__:  # copy and pickle look for hooks,
-            raise AttributeError(name)                                 # before the instance is filled
+            raise AttributeError(name)  # before the instance is filled
         key = self._record["aliases"].get(name, name)
         if key in self._record["fields"]:
             return copy.deepcopy(self._record["fields"][key])
@@ -332,8 +365,9 @@ def read_config(key: str):
         loaded["config"] = _checked_config(key)
         return SavedConfig.record_of(loaded["config"])
 
-    return SavedConfig(cached_answer("config", f"{key}\n{json.dumps(_read_json(path), sort_keys=True)}", record),
-                       loaded.get("config"))
+    return SavedConfig(
+        cached_answer("config", f"{key}\n{json.dumps(_read_json(path), sort_keys=True)}", record), loaded.get("config")
+    )
 
 
 def _checked_config(key: str):

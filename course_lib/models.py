@@ -18,9 +18,18 @@ import torch
 
 from course_lib.cache import cached, cached_answer
 from course_lib.layers import layer_of_each_module
-from course_lib.model_config import (CONFIG_DIR, HUB_IDS, ModelNotFound, bundled_models,  # noqa: F401
-                                     config_class_name, config_key, config_stamp, load_config, read_config,
-                                     transformers_config)
+from course_lib.model_config import (  # noqa: F401
+    CONFIG_DIR,
+    HUB_IDS,
+    ModelNotFound,
+    bundled_models,
+    config_class_name,
+    config_key,
+    config_stamp,
+    load_config,
+    read_config,
+    transformers_config,
+)
 
 # Published parameter counts (model cards / safetensors metadata of the Hugging Face Hub), checked
 # against meta-device instantiation of the bundled configs in tests/test_models.py.
@@ -43,8 +52,13 @@ PUBLISHED_PARAMETERS = {
     "qwen3-30b-a3b": 30_532_122_624,
 }
 
-def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype | None = None,
-                attn_implementation: str | None = None) -> torch.nn.Module:
+
+def build_model(
+    config,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
     """A causal LM of the config's architecture with random weights (lesson 1).
 
     On the meta device (the default) it holds shapes and no memory: a 70B model builds in a second.
@@ -86,6 +100,7 @@ def supported_attention(config, requested: str | None) -> str | None:
     refuses SDPA (Gemma-2, whose attention caps its logits) (lessons 1 and 3)."""
     if requested != "sdpa":
         return requested
+
     def supports_sdpa() -> bool:  # imports the model's module (about a second): asked once, kept on disk
         # off the import path: transformers takes seconds to import
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -163,9 +178,15 @@ def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            infos.append(ParamInfo(f"{module_name}.{param_name}" if module_name else param_name,
-                                   tuple(param.shape), _module_kind(module), module is output,
-                                   layer_of.get(id(module))))
+            infos.append(
+                ParamInfo(
+                    f"{module_name}.{param_name}" if module_name else param_name,
+                    tuple(param.shape),
+                    _module_kind(module),
+                    module is output,
+                    layer_of.get(id(module)),
+                )
+            )
     return ModelSpec(name, config if config is not None else getattr(model, "config", None), tuple(infos))
 
 
@@ -179,8 +200,9 @@ def _cached_spec(key: str, stamp: tuple | None) -> ModelSpec:  # stamp: see conf
             model = build_model(config)
         except Exception as error:  # e.g. an encoder-decoder config: not a causal LM transformers can build
             first = " ".join(str(error).split())[:300]
-            raise ModelNotFound(f"cannot build a causal language model from {key}: {type(error).__name__}: "
-                                f"{first}") from None
+            raise ModelNotFound(
+                f"cannot build a causal language model from {key}: {type(error).__name__}: {first}"
+            ) from None
         return spec_from_model(model, name, config).params
 
     return ModelSpec(name, config, cached_params(config.to_json_string(use_diff=False), build))
@@ -188,9 +210,15 @@ def _cached_spec(key: str, stamp: tuple | None) -> ModelSpec:  # stamp: see conf
 
 def cached_params(config_json: str, make) -> tuple[ParamInfo, ...]:
     """The parameter list of a config from the disk cache (course_lib.cache), or `make()` kept there."""
-    return cached("params", config_json, make, lambda params: [asdict(p) for p in params],
-                  lambda data: tuple(ParamInfo(p["name"], tuple(p["shape"]), p["module"], p["is_lm_head"], p["layer"])
-                                     for p in data))
+    return cached(
+        "params",
+        config_json,
+        make,
+        lambda params: [asdict(p) for p in params],
+        lambda data: tuple(
+            ParamInfo(p["name"], tuple(p["shape"]), p["module"], p["is_lm_head"], p["layer"]) for p in data
+        ),
+    )
 
 
 def model_spec(name_or_path: str | Path) -> ModelSpec:

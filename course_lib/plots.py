@@ -13,22 +13,29 @@ from typing import TYPE_CHECKING
 import matplotlib.pyplot as plt
 
 from course_lib.measure import PHASES, MiB
-from course_lib.planner.predict import STEP_PHASES
 from course_lib.paging import TOUCH_CATEGORIES
+from course_lib.planner.predict import STEP_PHASES
 
 if TYPE_CHECKING:
     from course_lib.accumulation import CostRow
-    from course_lib.paging.timeline import TimelineEntry
     from course_lib.paging import SimulationResult, Touch
+    from course_lib.paging.timeline import TimelineEntry
 
 
 # ---------------------------------------------------------------------------------------------------
 # Lesson 1: the planner
 # ---------------------------------------------------------------------------------------------------
 
-CATEGORY_COLORS = {"weights": "#4c72b0", "quantization": "#8172b3", "optimizer_state": "#55a868",
-                   "master_weights": "#c44e52", "gradients": "#dd8452", "activations": "#937860",
-                   "optimizer_temporaries": "#da8bc3", "overhead": "#999999"}
+CATEGORY_COLORS = {
+    "weights": "#4c72b0",
+    "quantization": "#8172b3",
+    "optimizer_state": "#55a868",
+    "master_weights": "#c44e52",
+    "gradients": "#dd8452",
+    "activations": "#937860",
+    "optimizer_temporaries": "#da8bc3",
+    "overhead": "#999999",
+}
 
 
 def plot_recipe_phases(plans: dict, gpus: Sequence = (), title: str | None = None):
@@ -39,7 +46,7 @@ def plot_recipe_phases(plans: dict, gpus: Sequence = (), title: str | None = Non
     fig, ax = plt.subplots(figsize=(10, 4.8))
     width, gap = 0.28, 0.25
     ticks = []
-    for i, (label, plan) in enumerate(plans.items()):
+    for i, plan in enumerate(plans.values()):
         phases = plan.by_phase()
         peak_bar = max(phases, key=lambda bar: sum(phases[bar].values()))
         left = i * (len(STEP_PHASES) * width + gap)
@@ -48,8 +55,14 @@ def plot_recipe_phases(plans: dict, gpus: Sequence = (), title: str | None = Non
             bottom = 0.0
             for category, color in CATEGORY_COLORS.items():
                 value = live.get(category, 0) / 2**30
-                ax.bar(left + j * width, value, width, bottom=bottom, color=color,
-                       label=category.replace("_", " ") if i == j == 0 else None)
+                ax.bar(
+                    left + j * width,
+                    value,
+                    width,
+                    bottom=bottom,
+                    color=color,
+                    label=category.replace("_", " ") if i == j == 0 else None,
+                )
                 bottom += value
             if bar == peak_bar:
                 ax.bar(left + j * width, bottom, width, fill=False, edgecolor="black", linewidth=1.5)
@@ -69,6 +82,7 @@ def plot_recipe_phases(plans: dict, gpus: Sequence = (), title: str | None = Non
 # ---------------------------------------------------------------------------------------------------
 # Lesson 2: gradient accumulation
 # ---------------------------------------------------------------------------------------------------
+
 
 def plot_accumulation_cost(rows: Sequence[CostRow], title: str | None = None):
     """Two panels: time per optimizer step and peak memory (split by category) vs micro-batch size
@@ -106,6 +120,7 @@ def plot_accumulation_cost(rows: Sequence[CostRow], title: str | None = None):
 # Lesson 4: paged optimizers
 # ---------------------------------------------------------------------------------------------------
 
+
 def plot_touches(touches: Sequence[Touch], ax=None):
     """Dots: operator number (x) against the category it touches (y), coloured by phase (lesson 4)."""
     if ax is None:
@@ -131,8 +146,12 @@ def plot_prefetch_timeline(entries: Sequence[TimelineEntry | dict], ax=None):
     rows = [e if isinstance(e, dict) else asdict(e) for e in entries]
     for kind, color in (("prefetch", "#55a868"), ("update", "#4c72b0")):
         for e in (r for r in rows if r["kind"] == kind):
-            ax.broken_barh([(1e3 * e["start"], 1e3 * (e["end"] - e["start"]))], (e["index"] - 0.4, 0.8),
-                           facecolors=color, label=kind)
+            ax.broken_barh(
+                [(1e3 * e["start"], 1e3 * (e["end"] - e["start"]))],
+                (e["index"] - 0.4, 0.8),
+                facecolors=color,
+                label=kind,
+            )
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), loc="lower right", fontsize=8)
@@ -146,8 +165,9 @@ LANES = ("compute", "faults", "H2D", "D2H")
 LANE_COLORS = {"compute": "#4c72b0", "faults": "#c44e52", "H2D": "#55a868", "D2H": "#dd8452"}
 
 
-def plot_paging_timeline(result: SimulationResult, ax=None, *, steps: Sequence[int] | None = None,
-                         title: str | None = None):
+def plot_paging_timeline(
+    result: SimulationResult, ax=None, *, steps: Sequence[int] | None = None, title: str | None = None
+):
     """Draw the simulated timeline: one lane per kind of work, milliseconds on the x axis (lesson 4)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 2.6))
@@ -174,6 +194,7 @@ def plot_paging_timeline(result: SimulationResult, ax=None, *, steps: Sequence[i
 # Lesson 6: sharding
 # ---------------------------------------------------------------------------------------------------
 
+
 def plot_sharding(steps: Sequence, predicted: dict | None = None, title: str | None = None):
     """Rank 0's measured peak for each (world size, stage), stacked: the model states measured after the
     step (a step starts with no gradients), then the rest of the peak; the planner's peak as a marker when
@@ -181,10 +202,12 @@ def plot_sharding(steps: Sequence, predicted: dict | None = None, title: str | N
     rank")."""
     rows = sorted((s for s in steps if s.rank == 0), key=lambda s: (s.world_size, s.stage))
     positions = range(len(rows))
-    parts = [("parameters (after the step)", [s.parameters for s in rows]),
-             ("gradients (after the step)", [s.gradients for s in rows]),
-             ("optimizer state (after the step)", [s.optimizer_state for s in rows]),
-             ("the rest of the peak (peak minus those)", [s.peak - s.model_states for s in rows])]
+    parts = [
+        ("parameters (after the step)", [s.parameters for s in rows]),
+        ("gradients (after the step)", [s.gradients for s in rows]),
+        ("optimizer state (after the step)", [s.optimizer_state for s in rows]),
+        ("the rest of the peak (peak minus those)", [s.peak - s.model_states for s in rows]),
+    ]
     fig, ax = plt.subplots(figsize=(10, 3.8))
     bottom = [0.0] * len(rows)
     for label, values in parts:
@@ -192,12 +215,20 @@ def plot_sharding(steps: Sequence, predicted: dict | None = None, title: str | N
         ax.bar(positions, mib, bottom=bottom, label=label)
         bottom = [b + m for b, m in zip(bottom, mib)]
     if predicted:
-        ax.plot(list(positions), [predicted[s.world_size, s.stage] / MiB for s in rows], "k_", markersize=18,
-                markeredgewidth=2, label="predicted peak (planner)")
+        ax.plot(
+            list(positions),
+            [predicted[s.world_size, s.stage] / MiB for s in rows],
+            "k_",
+            markersize=18,
+            markeredgewidth=2,
+            label="predicted peak (planner)",
+        )
     stage = {"zero2": "zero2 (FSDP2\nstand-in)"}
-    ax.set_xticks(list(positions), [f"{stage.get(s.stage, s.stage)}\n{s.world_size} rank{'s' * (s.world_size > 1)}"
-                                    for s in rows],
-                  fontsize=8)
+    ax.set_xticks(
+        list(positions),
+        [f"{stage.get(s.stage, s.stage)}\n{s.world_size} rank{'s' * (s.world_size > 1)}" for s in rows],
+        fontsize=8,
+    )
     ax.set_ylabel("peak memory of one rank (MiB)")
     # below the stage names, outside the axes: inside, it hides the tallest bars and their markers
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)

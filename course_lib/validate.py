@@ -30,11 +30,15 @@ def _number(name: str, value, want: str, error: type[UserError]) -> float:
     return value
 
 
-def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
-            error: type[UserError] = UserError) -> int:
+def integer(
+    name: str, value, *, minimum: int | None = None, maximum: int | None = None, error: type[UserError] = UserError
+) -> int:
     """A whole number (an int, or a float with no fraction) from `minimum` to `maximum`, as an int."""
-    want = "a whole number" + (f" >= {minimum}" if minimum is not None else "") \
+    want = (
+        "a whole number"
+        + (f" >= {minimum}" if minimum is not None else "")
         + (f"{' and' if minimum is not None else ''} <= {maximum:,}" if maximum is not None else "")
+    )
     number = _number(name, value, want, error)
     if number != int(number):
         raise error(f"{name} must be {want}, got {_shown(value)} (it has a fraction)")
@@ -53,16 +57,29 @@ def non_negative_int(name: str, value, *, error: type[UserError] = UserError) ->
     return integer(name, value, minimum=0, error=error)
 
 
-def finite(name: str, value, *, above: float | None = None, at_least: float | None = None,
-           at_most: float | None = None, error: type[UserError] = UserError) -> float:
+def finite(
+    name: str,
+    value,
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    at_most: float | None = None,
+    error: type[UserError] = UserError,
+) -> float:
     """A finite real number within the bounds given (`above`: strictly)."""
-    bounds = [f"above {above:g}" if above is not None else "", f">= {at_least:g}" if at_least is not None else "",
-              f"<= {at_most:g}" if at_most is not None else ""]
+    bounds = [
+        f"above {above:g}" if above is not None else "",
+        f">= {at_least:g}" if at_least is not None else "",
+        f"<= {at_most:g}" if at_most is not None else "",
+    ]
     bounds = [bound for bound in bounds if bound]
     want = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
     number = _number(name, value, want, error)
-    if (above is not None and not number > above) or (at_least is not None and number < at_least) \
-            or (at_most is not None and number > at_most):
+    if (
+        (above is not None and not number > above)
+        or (at_least is not None and number < at_least)
+        or (at_most is not None and number > at_most)
+    ):
         raise error(f"{name} must be {want}, got {_shown(value)}")
     return number
 
@@ -116,14 +133,18 @@ def choice(name: str, value, options: Sequence, *, error: type[UserError] = User
         if value in options:
             return value
     shown = ", ".join(repr(option) if not isinstance(option, str) else option for option in options)
-    close = difflib.get_close_matches(value, [o for o in options if isinstance(o, str)], n=3, cutoff=0.6) \
-        if isinstance(value, str) else []
+    close = (
+        difflib.get_close_matches(value, [o for o in options if isinstance(o, str)], n=3, cutoff=0.6)
+        if isinstance(value, str)
+        else []
+    )
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise error(f"unknown {name} {_shown(value)}: {hint}use one of {shown}")
 
 
-def choices(name: str, value: str | Sequence[str], options: Sequence[str], *,
-            error: type[UserError] = UserError) -> tuple[str, ...]:
+def choices(
+    name: str, value: str | Sequence[str], options: Sequence[str], *, error: type[UserError] = UserError
+) -> tuple[str, ...]:
     """One option or a list of them (`strings`, each one of `options`), as a tuple."""
     return tuple(choice(name, item, options, error=error) for item in strings(name, value, error=error))
 
@@ -142,8 +163,10 @@ def model_and_optimizer(model, optimizer=None, *, error: type[UserError] = UserE
     if not params:
         raise error(f"model must be a torch.nn.Module with parameters, got {_shown(model)} ({type(model).__name__})")
     if any(p.device.type == "meta" for p in params):
-        raise error("model is on the meta device (shapes only, no memory to measure or train): build it on a "
-                    "real device, e.g. model.to_empty(device='cpu') then load or initialise its weights")
+        raise error(
+            "model is on the meta device (shapes only, no memory to measure or train): build it on a "
+            "real device, e.g. model.to_empty(device='cpu') then load or initialise its weights"
+        )
     if optimizer is None:
         return
     if not all(callable(getattr(optimizer, method, None)) for method in ("step", "zero_grad")):
@@ -153,5 +176,7 @@ def model_and_optimizer(model, optimizer=None, *, error: type[UserError] = UserE
         return
     own = {id(p) for p in params}
     if any(id(p) not in own for group in groups for p in group["params"]):
-        raise error("optimizer updates parameters that are not this model's (built for another model?): build it "
-                    "from this model's parameters, e.g. torch.optim.AdamW(model.parameters())")
+        raise error(
+            "optimizer updates parameters that are not this model's (built for another model?): build it "
+            "from this model's parameters, e.g. torch.optim.AdamW(model.parameters())"
+        )

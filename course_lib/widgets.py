@@ -22,8 +22,9 @@ def _made(kind: type[ipywidgets.Widget], model_id: str, **traits) -> ipywidgets.
     return widget
 
 
-def pinned(kind: type[ipywidgets.DOMWidget], model_id: str, layout: dict | None = None,
-           **traits) -> ipywidgets.DOMWidget:
+def pinned(
+    kind: type[ipywidgets.DOMWidget], model_id: str, layout: dict | None = None, **traits
+) -> ipywidgets.DOMWidget:
     """`kind(**traits)` with the model id `model_id`, its layout `model_id-layout` (with the traits in
     `layout`) and, when it has one, its style `model_id-style` (lesson 1)."""
     parts = {"layout": _made(ipywidgets.Layout, f"{model_id}-layout", **(layout or {}))}

@@ -19,13 +19,33 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from course_lib import checks
-from course_lib.accumulation import (DDP_MISTAKES, MISTAKES, SampleLoss, TinyTokenLM, TokenLoss, collate_padded,
-                                     compare_accumulation, compare_batchnorm_remedies, concat_batches, cost_model,
-                                     demonstrate_mistakes, format_cost_table, measure_accumulation_cost,
-                                     freeze_batchnorm_stats, ghost_batchnorm, max_weight_difference,
-                                     padded_token_batches, regression_batches, replace_batchnorm, split_batch,
-                                     tiny_mlp, train_whole_windows, train_with_accumulation, train_with_mistake,
-                                     windows)
+from course_lib.accumulation import (
+    DDP_MISTAKES,
+    MISTAKES,
+    SampleLoss,
+    TinyTokenLM,
+    TokenLoss,
+    collate_padded,
+    compare_accumulation,
+    compare_batchnorm_remedies,
+    concat_batches,
+    cost_model,
+    demonstrate_mistakes,
+    format_cost_table,
+    freeze_batchnorm_stats,
+    ghost_batchnorm,
+    max_weight_difference,
+    measure_accumulation_cost,
+    padded_token_batches,
+    regression_batches,
+    replace_batchnorm,
+    split_batch,
+    tiny_mlp,
+    train_whole_windows,
+    train_with_accumulation,
+    train_with_mistake,
+    windows,
+)
 
 DDP_ONLY = set(DDP_MISTAKES)
 reference_loop = functools.partial(train_with_accumulation, progress=False)
@@ -39,10 +59,15 @@ def token_batch(rows=8, seed=1, max_len=12):
 # compare_accumulation: the "Done when" numbers
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make_model, batch", [
-    (lambda: tiny_mlp("layer"), regression_batches(1, batch_size=16)[0]),
-    (lambda: TinyTokenLM(norm="layer"), token_batch()),
-], ids=["layernorm-mlp", "layernorm-token-lm"])
+
+@pytest.mark.parametrize(
+    "make_model, batch",
+    [
+        (lambda: tiny_mlp("layer"), regression_batches(1, batch_size=16)[0]),
+        (lambda: TinyTokenLM(norm="layer"), token_batch()),
+    ],
+    ids=["layernorm-mlp", "layernorm-token-lm"],
+)
 def test_layernorm_model_accumulates_exactly_in_fp32_and_fp64(make_model, batch):
     report = compare_accumulation(make_model(), batch, k=4)
     assert report["float32"].max_rel_grad < 1e-5
@@ -113,9 +138,11 @@ def test_results_show_as_short_tables_in_plain_text_views():
     batch = regression_batches(1, batch_size=8)[0]
     model = tiny_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    results = [compare_accumulation(tiny_mlp("batch"), batch, 2),
-               compare_batchnorm_remedies(tiny_mlp("batch"), batch, 2),
-               reference_loop(model, optimizer, regression_batches(3), SampleLoss(), 2)]
+    results = [
+        compare_accumulation(tiny_mlp("batch"), batch, 2),
+        compare_batchnorm_remedies(tiny_mlp("batch"), batch, 2),
+        reference_loop(model, optimizer, regression_batches(3), SampleLoss(), 2),
+    ]
     for result in results:
         shown = PlainTextFormatter()(result)
         assert shown == str(result) and len(shown.splitlines()) <= 8 and "=" not in shown.splitlines()[0]
@@ -126,10 +153,17 @@ def test_results_show_as_short_tables_in_plain_text_views():
 # Bad input: clear errors, never a silent NaN
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("k, error, message", [
-    (0, ValueError, ">= 1"), (-2, ValueError, ">= 1"), (17, ValueError, "K must be <= the batch size"),
-    (2.0, TypeError, "must be an int"), (True, TypeError, "must be an int"),
-])
+
+@pytest.mark.parametrize(
+    "k, error, message",
+    [
+        (0, ValueError, ">= 1"),
+        (-2, ValueError, ">= 1"),
+        (17, ValueError, "K must be <= the batch size"),
+        (2.0, TypeError, "must be an int"),
+        (True, TypeError, "must be an int"),
+    ],
+)
 def test_bad_k_is_a_clear_error(k, error, message):
     with pytest.raises(error, match=message):
         compare_accumulation(tiny_mlp("layer"), regression_batches(1, batch_size=16)[0], k)
@@ -169,6 +203,7 @@ def test_dropout_is_refused_and_unknown_normalisation_too():
 # Batches
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_split_and_concat_round_trip():
     batch = token_batch(rows=7)
     parts = split_batch(batch, 3)
@@ -200,6 +235,7 @@ def test_windows_group_micro_batches_with_a_short_last_one():
 # ---------------------------------------------------------------------------------------------------
 # BatchNorm remedies
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_remedies_measured_side_by_side():
     k = 4
@@ -269,6 +305,7 @@ def test_replace_batchnorm_keeps_the_affine_weights():
 # The reference loop: each behaviour, and the check that catches each mistake
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_reference_loop_passes_the_training_loop_check(capsys):
     checks.check_training_loop(reference_loop)
     assert "Correct" in capsys.readouterr().out
@@ -328,7 +365,7 @@ def planted_loop(planted):
         model.train()
         optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(batches), k):
-            window = batches[start:start + k]
+            window = batches[start : start + k]
             items = sum(loss.count(mb) for mb in window)
             for i, mb in enumerate(window):
                 quiet = hasattr(model, "no_sync") and ("no_sync" in planted or i < len(window) - 1)
@@ -352,6 +389,7 @@ def planted_loop(planted):
             if scheduler is not None and "scheduler" not in planted:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+
     return train
 
 
@@ -381,7 +419,7 @@ def test_loop_result_counts_windows_steps_items_and_lrs():
     batches = padded_token_batches(10, batch_size=2, seed=3)
     model = TinyTokenLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     result = reference_loop(model, optimizer, batches, TokenLoss(), 4, scheduler=scheduler, max_grad_norm=1.0)
     assert (result.windows, result.steps, result.micro_batches, result.skipped_steps) == (3, 3, 10, 0)
     counts = [TokenLoss().count(b) for b in batches]
@@ -450,8 +488,15 @@ def test_gradscaler_with_a_power_of_two_scale_changes_nothing():
     runs = []
     for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**10)):
         model = TinyTokenLM()
-        reference_loop(model, torch.optim.SGD(model.parameters(), lr=0.5), batches, TokenLoss(), 3,
-                       max_grad_norm=0.1, scaler=scaler)
+        reference_loop(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            batches,
+            TokenLoss(),
+            3,
+            max_grad_norm=0.1,
+            scaler=scaler,
+        )
         runs.append(model)
     assert max_weight_difference(*runs) < 1e-6
 
@@ -463,8 +508,16 @@ def test_fp16_autocast_with_gradscaler_follows_fp32(device):
     for autocast in (None, torch.float16):
         model = TinyTokenLM().to(device)
         scaler = torch.amp.GradScaler(device, init_scale=2.0**12) if autocast else None
-        result = reference_loop(model, torch.optim.SGD(model.parameters(), lr=0.2), batches, TokenLoss(), 4,
-                                max_grad_norm=0.5, scaler=scaler, autocast_dtype=autocast)
+        result = reference_loop(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.2),
+            batches,
+            TokenLoss(),
+            4,
+            max_grad_norm=0.5,
+            scaler=scaler,
+            autocast_dtype=autocast,
+        )
         assert result.steps == 2 and all(math.isfinite(x) for x in result.losses)
         runs.append(model)
     assert 0 < max_weight_difference(*runs) < 2e-2
@@ -476,21 +529,24 @@ def test_progress_bar_shows_optimizer_steps_and_can_be_silenced(capsys):
     train_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, SampleLoss(), 2)
     shown = capsys.readouterr().err
     assert "optimizer steps" in shown and "3/3" in shown and "loss=" in shown
-    train_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, SampleLoss(), 2,
-                            progress=False)
+    train_with_accumulation(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), batches, SampleLoss(), 2, progress=False
+    )
     assert capsys.readouterr().err == ""
 
 
 def test_progress_bar_works_without_a_length():
     model = tiny_mlp()
-    result = train_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                     iter(regression_batches(5)), SampleLoss(), 2, progress=False)
+    result = train_with_accumulation(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), iter(regression_batches(5)), SampleLoss(), 2, progress=False
+    )
     assert result.steps == 3
 
 
 # ---------------------------------------------------------------------------------------------------
 # Exercise 2.1: the check of accumulate_gradients catches each classic bug
 # ---------------------------------------------------------------------------------------------------
+
 
 def accumulate_right(model, micro_batches, loss):
     total = sum(loss.count(mb) for mb in micro_batches)
@@ -557,13 +613,16 @@ def test_the_exercise_check_accepts_the_right_answer(capsys):
     assert "Correct" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, hint", [
-    (accumulate_naive_mean, "you averaged the per-micro-batch means"),
-    (accumulate_with_one_backward, "backward ran 1 time"),
-    (accumulate_reweighted_mean, "the returned loss is nan"),
-    (accumulate_without_empty_check, "Raise ValueError"),
-    (accumulate_returning_nothing, "return the window's loss"),
-])
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (accumulate_naive_mean, "you averaged the per-micro-batch means"),
+        (accumulate_with_one_backward, "backward ran 1 time"),
+        (accumulate_reweighted_mean, "the returned loss is nan"),
+        (accumulate_without_empty_check, "Raise ValueError"),
+        (accumulate_returning_nothing, "return the window's loss"),
+    ],
+)
 def test_the_exercise_check_catches_each_classic_bug(wrong, hint):
     with pytest.raises(AssertionError, match=hint):
         checks.check_accumulate_gradients(wrong)
@@ -601,8 +660,14 @@ def test_property_token_accumulation_is_exact(data, norm):
 
 
 @PROPERTY
-@given(rows=st.integers(1, 12), features=st.integers(1, 6), outputs=st.integers(1, 3), k=st.integers(1, 12),
-       norm=st.sampled_from([None, "layer"]), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 12),
+    features=st.integers(1, 6),
+    outputs=st.integers(1, 3),
+    k=st.integers(1, 12),
+    norm=st.sampled_from([None, "layer"]),
+    seed=st.integers(0, 2**16),
+)
 def test_property_sample_accumulation_is_exact(rows, features, outputs, k, norm, seed):
     assume(k <= rows)
     gen = torch.Generator().manual_seed(seed)
@@ -641,9 +706,11 @@ def test_token_loss_matches_the_mean_cross_entropy():
 # Cost: same FLOPs, less memory (time is a benchmark's business, not a test's)
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_cost_rows_same_flops_same_fixed_memory_peak_falls_with_the_micro_batch():
-    rows = measure_accumulation_cost(effective_batch=8, micro_batches=(8, 2, 1), width=32, depth=2, seq_len=8,
-                                     repeats=1)
+    rows = measure_accumulation_cost(
+        effective_batch=8, micro_batches=(8, 2, 1), width=32, depth=2, seq_len=8, repeats=1
+    )
     assert [r.k for r in rows] == [1, 4, 8]
     assert len({r.flops for r in rows}) == 1 and rows[0].flops > 0
     assert len({(r.parameters, r.gradients, r.optimizer_state, r.inputs) for r in rows}) == 1
@@ -666,7 +733,7 @@ def test_the_flop_counter_sees_matrix_products_only():
         torch.tanh(a + a)
     with FlopCounterMode(display=False) as matmul:
         a @ a
-    assert elementwise.get_total_flops() == 0 and matmul.get_total_flops() == 2 * 64 ** 3
+    assert elementwise.get_total_flops() == 0 and matmul.get_total_flops() == 2 * 64**3
     with pytest.raises(ValueError, match="does not divide"):
         measure_accumulation_cost(effective_batch=8, micro_batches=(3,), width=8, depth=1, seq_len=2)
 
@@ -682,8 +749,30 @@ def test_benchmark_script_prints_the_table_and_writes_the_plot(tmp_path, capsys)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     plot = tmp_path / "cost.png"
-    assert script.main(["--effective-batch", "4", "--micro-batches", "4", "1", "--width", "16", "--depth", "1",
-                        "--seq-len", "4", "--repeats", "1", "--device", "cpu", "--plot", str(plot)]) == 0
+    assert (
+        script.main(
+            [
+                "--effective-batch",
+                "4",
+                "--micro-batches",
+                "4",
+                "1",
+                "--width",
+                "16",
+                "--depth",
+                "1",
+                "--seq-len",
+                "4",
+                "--repeats",
+                "1",
+                "--device",
+                "cpu",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "GFLOP/step" in out and plot.stat().st_size > 0
 

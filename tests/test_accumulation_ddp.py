@@ -27,11 +27,14 @@ def test_reference_loop_syncs_once_per_window_and_matches_one_process(reports):
     check_ddp_accumulation(report)
 
 
-@pytest.mark.parametrize("mistake, hint", [
-    ("sync_every_micro_batch", "expected 1 each"),
-    ("never_sync", "no gradient all-reduce"),
-    ("count_per_rank", "all-reduce it"),
-])
+@pytest.mark.parametrize(
+    "mistake, hint",
+    [
+        ("sync_every_micro_batch", "expected 1 each"),
+        ("never_sync", "no gradient all-reduce"),
+        ("count_per_rank", "all-reduce it"),
+    ],
+)
 def test_the_ddp_check_catches_each_ddp_mistake(reports, mistake, hint):
     with pytest.raises(AssertionError, match=hint):
         check_ddp_accumulation(reports[(mistake,)])

@@ -10,14 +10,19 @@ import pytest
 import torch
 
 from course_lib import validate
-from course_lib.accumulation import (TinyTokenLM, TokenLoss, demonstrate_mistakes, ddp_accumulation_demo,
-                                     train_with_accumulation)
+from course_lib.accumulation import (
+    TinyTokenLM,
+    TokenLoss,
+    ddp_accumulation_demo,
+    demonstrate_mistakes,
+    train_with_accumulation,
+)
 from course_lib.checkpointing import tiny_decoder
 from course_lib.cli import main
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
+from course_lib.paging import Hardware, TrainingSetup, simulate, simulate_offload, transformer_params
 from course_lib.planner import plan
-from course_lib.paging import Hardware, simulate, simulate_offload, TrainingSetup, transformer_params
 from course_lib.qlora import Recipe
 from course_lib.sharding import measure_sharding
 from course_lib.toolbox import accumulation_breaks, chunked_cross_entropy
@@ -36,6 +41,7 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 # ------------------------------------------------------------------ the validation layer itself
+
 
 @pytest.mark.parametrize("value", [True, 2.5, math.nan, math.inf, -1, 0, "3", None, [1]])
 def test_positive_int_refuses_with_a_line_naming_argument_and_value(value):
@@ -67,6 +73,7 @@ def test_choice_says_did_you_mean():
 
 
 # ------------------------------------------------------------------ accepted and wrong, before
+
 
 def test_measure_step_refuses_a_model_on_the_meta_device():
     model = torch.nn.Linear(4, 4, device="meta")
@@ -128,8 +135,9 @@ def test_plan_prepare_kbit_is_a_strict_boolean():
         plan("gpt2", lora_rank=8, prepare_kbit="no")
 
 
-@pytest.mark.parametrize("options", [dict(legacy_causal_lm_loss="no"),
-                                     dict(gpus=2, shard="zero3", fsdp_version=1, fsdp_backward_prefetch=1)])
+@pytest.mark.parametrize(
+    "options", [dict(legacy_causal_lm_loss="no"), dict(gpus=2, shard="zero3", fsdp_version=1, fsdp_backward_prefetch=1)]
+)
 def test_plan_the_published_rows_switches_are_strict_booleans(options):
     name = next(key for key in options if key.startswith(("legacy", "fsdp_backward")))
     with pytest.raises(UserError, match=f"{name} must be True or False"):
@@ -163,6 +171,7 @@ def test_plan_takes_a_whole_number_of_any_type_as_its_int():
     import fractions
 
     import numpy as np
+
     for batch in (2.0, np.float32(2), np.int64(2), fractions.Fraction(4, 2)):
         result = plan("gpt2", batch=batch, seq=32)
         assert type(result.setup.batch) is int and result.bytes == plan("gpt2", batch=2, seq=32).bytes
@@ -186,11 +195,13 @@ def test_chunked_cross_entropy_of_all_ignored_labels_is_zero_not_nan():
 
 def test_accumulation_breaks_refuses_no_batches():
     with pytest.raises(UserError, match="batches is empty"):
-        accumulation_breaks(lambda: torch.nn.Linear(2, 2), [], lambda p: torch.optim.SGD(p, lr=0.1),
-                            lambda m, b: m(b).sum())
+        accumulation_breaks(
+            lambda: torch.nn.Linear(2, 2), [], lambda p: torch.optim.SGD(p, lr=0.1), lambda m, b: m(b).sum()
+        )
 
 
 # ------------------------------------------------------------------ a string taken as its characters
+
 
 def test_lora_targets_as_one_string_is_one_module():
     one = plan("gpt2", lora_rank=8, lora_targets="c_attn")
@@ -227,17 +238,29 @@ def test_demonstrate_mistakes_takes_one_name_as_one_mistake():
 
 # ------------------------------------------------------------------ config errors name the field
 
-@pytest.mark.parametrize("change, says", [
-    ({"num_attention_heads": 0}, "num_attention_heads"),
-    ({"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 4}, "num_key_value_heads"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers"),
-    ({"vocab_size": -5}, "vocab_size"),
-    ({"model_type": "lama"}, "did you mean llama"),
-])
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads"),
+        ({"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 4}, "num_key_value_heads"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"vocab_size": -5}, "vocab_size"),
+        ({"model_type": "lama"}, "did you mean llama"),
+    ],
+)
 def test_config_errors_name_the_field_and_the_fix(tmp_path, capsys, change, says):
-    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-              "max_position_embeddings": 256, **change}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 256,
+        **change,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, out, err = cli(capsys, "plan", str(tmp_path / "config.json"), "--seq", "32")
     lines = err.strip().splitlines()
@@ -246,13 +269,21 @@ def test_config_errors_name_the_field_and_the_fix(tmp_path, capsys, change, says
 
 # ------------------------------------------------------------------ impossible setups, Hub ids
 
+
 def test_more_gpus_than_parameters_is_an_error():
     with pytest.raises(UserError, match="gpus"):
         plan(1000, gpus=2000, shard="zero3")
 
 
-@pytest.mark.parametrize("pasted", ["openai-community/gpt2/", "https://huggingface.co/openai-community/gpt2",
-                                    "openai-community/gpt2/tree/main", "https://huggingface.co/openai-community/gpt2/"])
+@pytest.mark.parametrize(
+    "pasted",
+    [
+        "openai-community/gpt2/",
+        "https://huggingface.co/openai-community/gpt2",
+        "openai-community/gpt2/tree/main",
+        "https://huggingface.co/openai-community/gpt2/",
+    ],
+)
 def test_hub_ids_as_people_paste_them(pasted):
     assert plan(pasted).n_params == plan("gpt2").n_params
 
@@ -264,6 +295,7 @@ def test_grade_checks_an_unwritable_csv_before_grading(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ possible but pointless: notes that say so
+
 
 def test_a_chunk_as_large_as_the_micro_batch_is_noted(tiny_config):
     whole = plan(tiny_config, batch=2, seq=32, chunked_loss=64)

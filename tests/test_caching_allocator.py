@@ -5,10 +5,19 @@ one pool per stream, and the release-and-retry of a failed cudaMalloc."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from course_lib.caching_allocator import (EMPTY_CACHE, KiB, MiB, AllocatorOutOfMemory, CachingAllocator, replay,
-                                          round_size, segment_size)
+from course_lib.caching_allocator import (
+    EMPTY_CACHE,
+    AllocatorOutOfMemory,
+    CachingAllocator,
+    KiB,
+    MiB,
+    replay,
+    round_size,
+    segment_size,
+)
 
 
 def test_a_tiny_request_reserves_one_small_segment():
@@ -148,8 +157,14 @@ def test_reserved_covers_allocated_and_the_rules_hold(requests):
 
 
 def test_segment_sizes_at_each_boundary():
-    assert [segment_size(round_size(n)) for n in (1, 1 * MiB, 1 * MiB + 1, 10 * MiB - 512, 10 * MiB, 10 * MiB + 1)] \
-        == [2 * MiB, 2 * MiB, 20 * MiB, 20 * MiB, 10 * MiB, 12 * MiB]
+    assert [segment_size(round_size(n)) for n in (1, 1 * MiB, 1 * MiB + 1, 10 * MiB - 512, 10 * MiB, 10 * MiB + 1)] == [
+        2 * MiB,
+        2 * MiB,
+        20 * MiB,
+        20 * MiB,
+        10 * MiB,
+        12 * MiB,
+    ]
 
 
 def test_replay_frees_by_index():
@@ -161,5 +176,8 @@ def test_replay_frees_by_index():
 def test_replay_empties_the_cache_where_the_stream_says():
     assert replay([20 * MiB, ~0, 30 * MiB]).peak_reserved == 50 * MiB  # the 20 MiB segment stays cached
     emptied = replay([20 * MiB, 4 * MiB, ~0, EMPTY_CACHE, 30 * MiB])
-    assert (emptied.peak_reserved, emptied.reserved) == (50 * MiB, 20 * MiB + 30 * MiB)  # the 4 MiB block's segment stays
+    assert (emptied.peak_reserved, emptied.reserved) == (
+        50 * MiB,
+        20 * MiB + 30 * MiB,
+    )  # the 4 MiB block's segment stays
     assert replay([20 * MiB, ~0, EMPTY_CACHE, 30 * MiB]).peak_reserved == 30 * MiB

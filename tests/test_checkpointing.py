@@ -8,8 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib.checkpointing import (PlanCost, all_plans, min_feasible_peak, named_plan, optimal_plan, plan_cost,
-                                      plan_frontier, segments_plan, validate_plan)
+from course_lib.checkpointing import (
+    PlanCost,
+    all_plans,
+    min_feasible_peak,
+    named_plan,
+    optimal_plan,
+    plan_cost,
+    plan_frontier,
+    segments_plan,
+    validate_plan,
+)
 
 MiB = 2**20
 
@@ -17,6 +26,7 @@ MiB = 2**20
 # ---------------------------------------------------------------------------------------------------
 # Plans as segments
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_named_plans_are_segments():
     assert named_plan(4, "none") == []
@@ -43,19 +53,38 @@ def test_sqrt_plan_has_round_sqrt_n_segments_of_near_equal_size(n):
     assert segments[0][0] == 0 and all(b == c for (_, b), (c, _) in zip(segments, segments[1:]))
 
 
-@pytest.mark.parametrize("n, plan", [(0, "none"), (-3, "sqrt"), (4, "every-0"), (4, "every-"),
-                                     (4, "most"), (4, "every-layer-2"), (4, "hf-every-0"), (4, None)])
+@pytest.mark.parametrize(
+    "n, plan",
+    [
+        (0, "none"),
+        (-3, "sqrt"),
+        (4, "every-0"),
+        (4, "every-"),
+        (4, "most"),
+        (4, "every-layer-2"),
+        (4, "hf-every-0"),
+        (4, None),
+    ],
+)
 def test_bad_named_plans_are_refused(n, plan):
     with pytest.raises(ValueError):
         named_plan(n, plan)
 
 
-@pytest.mark.parametrize("plan, words", [
-    ([(0, 5)], "out of range"), ([(-1, 2)], "out of range"), ([(2, 2)], "out of range"),
-    ([(2, 4), (0, 2)], "sorted and disjoint"), ([(0, 3), (2, 4)], "sorted and disjoint"),
-    ([(0, 1.5)], "pair of integers"), ([(0, 1, 2)], "pair of integers"), ([0, 2], "segments"),
-    ([(True, 2)], "pair of integers"),
-])
+@pytest.mark.parametrize(
+    "plan, words",
+    [
+        ([(0, 5)], "out of range"),
+        ([(-1, 2)], "out of range"),
+        ([(2, 2)], "out of range"),
+        ([(2, 4), (0, 2)], "sorted and disjoint"),
+        ([(0, 3), (2, 4)], "sorted and disjoint"),
+        ([(0, 1.5)], "pair of integers"),
+        ([(0, 1, 2)], "pair of integers"),
+        ([0, 2], "segments"),
+        ([(True, 2)], "pair of integers"),
+    ],
+)
 def test_bad_plans_are_refused_with_a_clear_message(plan, words):
     with pytest.raises(ValueError, match=words):
         plan_cost([2] * 4, [1] * 4, plan)
@@ -95,6 +124,7 @@ def test_all_plans_are_every_labelling_once(n):
 # The cost model
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_cost_of_no_checkpointing_is_everything_saved_and_no_recompute():
     cost = plan_cost([3, 3, 3, 3], [1, 1, 1, 1], [])
     assert isinstance(cost, PlanCost)
@@ -119,8 +149,9 @@ def test_sqrt_beats_every_layer_when_layers_store_a_little_more_than_their_input
 
 def test_recompute_fraction_weighs_layers_by_their_compute():
     assert plan_cost([2, 2, 2], [1, 1, 1], [(0, 1)], compute=[3, 1, 1]).recompute_fraction == pytest.approx(3 / 5)
-    assert plan_cost([2, 2, 2], [1, 1, 1], [(0, 1), (2, 3)], compute=[3, 1, 1]).recompute_fraction == \
-        pytest.approx(4 / 5)
+    assert plan_cost([2, 2, 2], [1, 1, 1], [(0, 1), (2, 3)], compute=[3, 1, 1]).recompute_fraction == pytest.approx(
+        4 / 5
+    )
 
 
 def test_a_gap_between_segments_keeps_the_unchecked_layers_saved_bytes():
@@ -152,16 +183,21 @@ def test_peak_where_names_the_moment():
 # The optimal plan over all plans: dynamic programming == brute force
 # ---------------------------------------------------------------------------------------------------
 
+
 @st.composite
 def stacks(draw, max_layers=8):
     n = draw(st.integers(1, max_layers))
     sizes = st.lists(st.integers(0, 40), min_size=n, max_size=n)
     kwargs = {"compute": draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))}
     if draw(st.booleans()):
-        kwargs.update(output_bytes=draw(st.integers(0, 20)), grad_bytes=draw(sizes),
-                      transient_bytes=draw(sizes), head_bytes=draw(st.integers(0, 30)),
-                      head_grad_bytes=draw(st.integers(0, 10)),
-                      output_saved=draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+        kwargs.update(
+            output_bytes=draw(st.integers(0, 20)),
+            grad_bytes=draw(sizes),
+            transient_bytes=draw(sizes),
+            head_bytes=draw(st.integers(0, 30)),
+            head_grad_bytes=draw(st.integers(0, 10)),
+            output_saved=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+        )
     return draw(sizes), draw(st.lists(st.integers(0, 20), min_size=n, max_size=n)), kwargs
 
 
@@ -189,8 +225,9 @@ def test_optimal_plan_matches_brute_force_over_every_labelling(stack, slack):
 def test_frontier_is_exactly_the_pareto_set_of_all_plans(stack):
     saved, inputs, kwargs = stack
     points = {(c.peak_bytes, round(c.recompute_fraction, 9)) for c in _brute_force(saved, inputs, kwargs)}
-    pareto = sorted((m, r) for m, r in points if not any(
-        (m2 <= m and r2 <= r) and (m2, r2) != (m, r) for m2, r2 in points))
+    pareto = sorted(
+        (m, r) for m, r in points if not any((m2 <= m and r2 <= r) and (m2, r2) != (m, r) for m2, r2 in points)
+    )
     frontier = plan_frontier(saved, inputs, **kwargs)
     assert [(m, round(r, 9)) for m, r, _ in frontier] == pareto
     for peak, recompute, plan in frontier:  # each point is what plan_cost says of its plan
@@ -204,8 +241,11 @@ def test_the_optimum_may_leave_a_layer_unchecked_between_segments():
     plan = optimal_plan(saved, inputs, 34, compute=compute)
     assert plan == [(0, 1), (2, 3)]
     gap_free = [p for p in all_plans(3) if all(b == c for (_, b), (c, _) in zip(p, p[1:]))]
-    best_gap_free = min(plan_cost(saved, inputs, p, compute=compute).recompute_fraction for p in gap_free
-                        if plan_cost(saved, inputs, p, compute=compute).peak_bytes <= 34)
+    best_gap_free = min(
+        plan_cost(saved, inputs, p, compute=compute).recompute_fraction
+        for p in gap_free
+        if plan_cost(saved, inputs, p, compute=compute).peak_bytes <= 34
+    )
     assert plan_cost(saved, inputs, plan, compute=compute).recompute_fraction == pytest.approx(2 / 11)
     assert best_gap_free == pytest.approx(10 / 11)
 

@@ -8,9 +8,21 @@ import warnings
 import pytest
 import torch
 
-from course_lib.checkpointing import (ARCHITECTURES, apply_plan, assert_gradients_flow, checkpointed_forward,
-                                      find_layer_stack, hf_checkpointing, hf_has_every_n_layers, measure_plan, measure_recompute,
-                                      mlp_stack, named_plan, profile_stack, tiny_decoder)
+from course_lib.checkpointing import (
+    ARCHITECTURES,
+    apply_plan,
+    assert_gradients_flow,
+    checkpointed_forward,
+    find_layer_stack,
+    hf_checkpointing,
+    hf_has_every_n_layers,
+    measure_plan,
+    measure_recompute,
+    mlp_stack,
+    named_plan,
+    profile_stack,
+    tiny_decoder,
+)
 from course_lib.errors import UserError
 
 warnings.filterwarnings("ignore", message=".*use_reentrant.*")
@@ -59,7 +71,8 @@ def test_gemma2_layers_get_their_own_masks_inside_a_segment():
     assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
     seen = []
     handle = model.model.layers[1].register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs["attention_mask"]), with_kwargs=True)
+        lambda module, args, kwargs: seen.append(kwargs["attention_mask"]), with_kwargs=True
+    )
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     try:
         with apply_plan(model, [(0, 2)]):
@@ -72,8 +85,9 @@ def test_gemma2_layers_get_their_own_masks_inside_a_segment():
 
 def test_dropout_draws_the_same_masks_in_the_recompute():
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5))
-                                   for _ in range(4)])
+    layers = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)) for _ in range(4)]
+    )
     x = torch.randn(8, 16)
 
     def run(plan):
@@ -111,6 +125,7 @@ def test_the_replay_runs_under_the_recompute_context_and_only_the_replay():
 
         def __exit__(self, *exc):
             return False
+
     with apply_plan(model, [(0, 2), (2, 3)], recompute_context=Recompute):
         got = _loss_and_grads(model, lambda: (entered.append("forward"), loss_fn())[1])
     _assert_same(expected, got)
@@ -131,8 +146,10 @@ def test_a_plan_really_recomputes_and_gaps_do_not():
     torch.manual_seed(0)
     model, x = mlp_stack(4, 16, "gelu"), torch.randn(8, 16)
     runs = [0] * 4
-    hooks = [layer[0].register_forward_hook(lambda *a, i=i: runs.__setitem__(i, runs[i] + 1))
-             for i, layer in enumerate(model)]
+    hooks = [
+        layer[0].register_forward_hook(lambda *a, i=i: runs.__setitem__(i, runs[i] + 1))
+        for i, layer in enumerate(model)
+    ]
     try:
         with apply_plan(model, [(0, 2), (3, 4)]):
             model(x).pow(2).mean().backward()
@@ -145,6 +162,7 @@ def test_a_plan_really_recomputes_and_gaps_do_not():
 # ---------------------------------------------------------------------------------------------------
 # Refused: what cannot be applied exactly
 # ---------------------------------------------------------------------------------------------------
+
 
 class _Changing(torch.nn.Module):
     """Doubles the hidden state between two layers: a replay from layer 0's input cannot know it."""
@@ -176,13 +194,12 @@ class _Partial(torch.nn.Module):
         self.reverse = reverse
 
     def forward(self, x):
-        for layer in (reversed(self.layers) if self.reverse else self.layers[:1]):
+        for layer in reversed(self.layers) if self.reverse else self.layers[:1]:
             x = layer(x)
         return x
 
 
-@pytest.mark.parametrize("reverse, words", [(False, "ended inside the segment 0..1"),
-                                            (True, "called before layer 0")])
+@pytest.mark.parametrize("reverse, words", [(False, "ended inside the segment 0..1"), (True, "called before layer 0")])
 def test_a_segment_the_model_does_not_run_in_order_is_refused(reverse, words):
     model = _Partial(reverse)
     with apply_plan(model, [(0, 2)]), pytest.raises(ValueError, match=words):
@@ -244,6 +261,7 @@ def test_hugging_face_checkpointing_on_is_refused():
 # assert_gradients_flow: the LoRA + reentrant trap
 # ---------------------------------------------------------------------------------------------------
 
+
 def _lora_model():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -284,6 +302,7 @@ def test_a_frozen_parameter_that_should_train_is_named():
 # Measured (CPU, course_lib.measure's live-storage tracker) against the cost model
 # ---------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def gelu_mlp():
     """16 layers of Linear + GELU: each stores its input and the Linear's output, twice its input."""
@@ -319,7 +338,9 @@ def test_every_layer_saves_nothing_when_a_layer_stores_only_its_input():
     loss_fn = lambda: model(x).pow(2).mean()  # noqa: E731
     profile = profile_stack(model, loss_fn, [x])
     assert profile.saved_bytes == profile.input_bytes and all(profile.output_saved)
-    none, every, sqrt = (measure_plan(model, loss_fn, [x], plan, profile=profile) for plan in ("none", "every-layer", "sqrt"))
+    none, every, sqrt = (
+        measure_plan(model, loss_fn, [x], plan, profile=profile) for plan in ("none", "every-layer", "sqrt")
+    )
     # nothing saved but what apply_plan keeps to replay dropout exactly: one CPU RNG state per segment
     assert every.measured_peak - none.measured_peak == 16 * torch.get_rng_state().untyped_storage().nbytes()
     assert sqrt.measured_peak < 0.7 * none.measured_peak
@@ -330,7 +351,7 @@ def test_every_layer_saves_nothing_when_a_layer_stores_only_its_input():
 def test_hugging_face_every_n_layers_is_the_hf_every_plan():
     torch.manual_seed(0)
     model = tiny_decoder("llama", n_layers=4, hidden=64, heads=2, vocab=128)
-    if not hf_has_every_n_layers(model):   # the floors' run (make test-floors): transformers < 5.23
+    if not hf_has_every_n_layers(model):  # the floors' run (make test-floors): transformers < 5.23
         with pytest.raises(ValueError, match="every_n_layers needs transformers >= 5.23"):
             hf_checkpointing(model, every_n_layers=2)
         return
@@ -352,8 +373,10 @@ def test_selective_policies_under_eager_attention():
     ids = torch.randint(0, 128, (2, 256))
     loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
     profile = profile_stack(model, loss_fn, [ids])
-    rows = {policy: measure_plan(model, loss_fn, [ids], "every-layer", profile=profile, policy=policy, recompute=True)
-            for policy in ("full", "korthikanti", "save-matmuls", "save-all")}
+    rows = {
+        policy: measure_plan(model, loss_fn, [ids], "every-layer", profile=profile, policy=policy, recompute=True)
+        for policy in ("full", "korthikanti", "save-matmuls", "save-all")
+    }
     none = measure_plan(model, loss_fn, [ids], "none", profile=profile)
     # Korthikanti drops the s x s scores; "save matmuls" keeps them (bmm) and saves little
     assert rows["full"].measured_peak < rows["korthikanti"].measured_peak < rows["save-matmuls"].measured_peak
@@ -381,10 +404,22 @@ def test_tradeoff_table_times_plans_in_turns_and_leaves_selective_unpredicted():
     loss_fn = lambda: model(x).pow(2).mean()  # noqa: E731
     profile = profile_stack(model, loss_fn, [x])
     assert {"every-layer", "sqrt", "optimal @ sqrt peak", "1 segments"} <= default_plans(profile).keys()
-    rows = measure_tradeoff(model, loss_fn, [x], {"none": [], "sqrt": "sqrt"}, repeats=1,
-                            policies=("full", "korthikanti"), profile=profile, recompute=True)
-    assert [(r.plan, r.policy) for r in rows] == [("none", "full"), ("none", "korthikanti"),
-                                                  ("sqrt", "full"), ("sqrt", "korthikanti")]
+    rows = measure_tradeoff(
+        model,
+        loss_fn,
+        [x],
+        {"none": [], "sqrt": "sqrt"},
+        repeats=1,
+        policies=("full", "korthikanti"),
+        profile=profile,
+        recompute=True,
+    )
+    assert [(r.plan, r.policy) for r in rows] == [
+        ("none", "full"),
+        ("none", "korthikanti"),
+        ("sqrt", "full"),
+        ("sqrt", "korthikanti"),
+    ]
     assert all(r.step_seconds > 0 for r in rows)
     assert rows[1].predicted_peak is None and rows[1].error is None and rows[0].error is not None
     table = format_tradeoff(rows, "title")

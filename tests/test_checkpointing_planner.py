@@ -7,8 +7,12 @@ import sys
 
 
 def test_gemma2_plans_with_eager_attention_and_a_clean_output():
-    result = subprocess.run([sys.executable, "-m", "course_lib.cli", "plan", "gemma-2-2b", "--gpu", "t4",
-                             "--checkpointing", "every-layer"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_lib.cli", "plan", "gemma-2-2b", "--gpu", "t4", "--checkpointing", "every-layer"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     assert "attention: eager" in result.stdout and "does not support sdpa" in result.stdout
     assert "checkpointing every-layer: recomputes 100%" in result.stdout

@@ -51,7 +51,9 @@ def test_a_count_of_the_wrong_type_is_named_not_shown_as_a_number():
     def as_text(model):
         return str(8 * sum(p.numel() for p in model.parameters()))
 
-    with pytest.raises(CheckFailed, match=r"adam_state_bytes returned '\d+', a str: return the number of bytes as an int"):
+    with pytest.raises(
+        CheckFailed, match=r"adam_state_bytes returned '\d+', a str: return the number of bytes as an int"
+    ):
         checks.check_adam_state_bytes(as_text)
     with pytest.raises(CheckFailed, match="a bool"):
         checks.check_saved_bytes(lambda batch, widths: True)
@@ -66,7 +68,9 @@ def test_refuse_reference_sees_a_call_however_it_was_imported():
     from course_lib.planner import plan as renamed
 
     for answer in (lambda: renamed(10).total, lambda: planner.plan(10).total, lambda: [plan][0](10).total):
-        with pytest.raises(CheckFailed, match=r"calls course_lib\.planner\.entry\.plan, the course library's own answer"):
+        with pytest.raises(
+            CheckFailed, match=r"calls course_lib\.planner\.entry\.plan, the course library's own answer"
+        ):
             with refuse_reference(planner, instead="add it up"):
                 answer()
     with refuse_reference(planner):
@@ -86,16 +90,36 @@ def test_refuse_reference_names_functions_and_refuses_even_when_the_answer_then_
     assert refusing(lambda a, b: a + b, chunk_migrations)(2, 3) == 5  # a call that stays clear is passed through
 
 
-@pytest.mark.parametrize("check, answer", [
-    ("check_checkpointed_forward", lambda layers, x, plan: __import__("course_lib.checkpointing").checkpointing
-     .checkpointed_forward(layers, x, plan)),
-    ("check_best_plan", lambda saved, inputs, budget: __import__("course_lib.checkpointing").checkpointing
-     .optimal_plan(saved, inputs, budget).plan),
-    ("check_migrated_bytes", lambda accesses, capacity, policy: __import__("course_lib.paging").paging
-     .chunk_migrations(accesses, capacity, policy)),
-    ("check_step3_prediction", lambda: {k: checks.paging._step3_in(k == "with empty_cache")
-                                        for k in ("with empty_cache", "without empty_cache")}),
-], ids=lambda value: value if isinstance(value, str) else "")
+@pytest.mark.parametrize(
+    "check, answer",
+    [
+        (
+            "check_checkpointed_forward",
+            lambda layers, x, plan: __import__("course_lib.checkpointing").checkpointing.checkpointed_forward(
+                layers, x, plan
+            ),
+        ),
+        (
+            "check_best_plan",
+            lambda saved, inputs, budget: (
+                __import__("course_lib.checkpointing").checkpointing.optimal_plan(saved, inputs, budget).plan
+            ),
+        ),
+        (
+            "check_migrated_bytes",
+            lambda accesses, capacity, policy: __import__("course_lib.paging").paging.chunk_migrations(
+                accesses, capacity, policy
+            ),
+        ),
+        (
+            "check_step3_prediction",
+            lambda: {
+                k: checks.paging._step3_in(k == "with empty_cache") for k in ("with empty_cache", "without empty_cache")
+            },
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
 def test_lesson_checks_refuse_an_answer_that_calls_the_library(check, answer):
     with pytest.raises(CheckFailed, match="the course library's own answer"):
         getattr(checks, check)(answer)
@@ -105,9 +129,12 @@ def right_model_state_bytes(n, precision, optimizer, **wrong):
     """Exercise 1.1's answer by category; `wrong` replaces a category: name=lambda n, precision, optimizer: bytes."""
     weight = 4 if precision == "fp32" else 2
     state = 2 if precision == "bf16" else 4
-    answer = {"weights": weight * n, "gradients": weight * n,
-              "optimizer_state": {"sgd": 0, "momentum": 1, "adamw": 2}[optimizer] * state * n,
-              "master_weights": 4 * n if precision.startswith("mixed") else 0}
+    answer = {
+        "weights": weight * n,
+        "gradients": weight * n,
+        "optimizer_state": {"sgd": 0, "momentum": 1, "adamw": 2}[optimizer] * state * n,
+        "master_weights": 4 * n if precision.startswith("mixed") else 0,
+    }
     answer.update({category: bytes_of(n, precision, optimizer) for category, bytes_of in wrong.items()})
     return answer
 
@@ -122,7 +149,9 @@ def right_adam_state(model):
 
 def adam_state_measured(model):
     x = torch.randn(2, *next(model.parameters()).shape[1:]) if isinstance(model, torch.nn.Linear) else None
-    return measure_step(model, torch.optim.AdamW(model.parameters()), lambda: model(x).sum(), inputs=[x]).optimizer_state
+    return measure_step(
+        model, torch.optim.AdamW(model.parameters()), lambda: model(x).sum(), inputs=[x]
+    ).optimizer_state
 
 
 def paging_8bit(numel):
@@ -131,14 +160,21 @@ def paging_8bit(numel):
     return sum(t.nbytes for t in optimizer_state(ParamSpec("w", numel), "adamw8bit"))
 
 
-@pytest.mark.parametrize("check, copied, right", [
-    (checks.check_model_state_bytes,
-     lambda n, p, o: {c: plan(n, precision=p, optimizer=o).bytes[c] for c in CATEGORIES}, right_model_state_bytes),
-    (checks.check_adamw8bit_state_bytes, lambda n: optimizer_state_bytes("adamw8bit", [n], 4), right_8bit),
-    (checks.check_adamw8bit_state_bytes, paging_8bit, right_8bit),  # the same layout, in another package
-    (checks.check_adam_state_bytes, adam_state_measured, right_adam_state),
-    (checks.check_saved_bytes, lambda b, widths: plan(1000).total, lambda b, widths: 4 * b * sum(widths[:-1])),
-], ids=["1.1", "1.2", "1.2-paging", "0.1", "0.2"])
+@pytest.mark.parametrize(
+    "check, copied, right",
+    [
+        (
+            checks.check_model_state_bytes,
+            lambda n, p, o: {c: plan(n, precision=p, optimizer=o).bytes[c] for c in CATEGORIES},
+            right_model_state_bytes,
+        ),
+        (checks.check_adamw8bit_state_bytes, lambda n: optimizer_state_bytes("adamw8bit", [n], 4), right_8bit),
+        (checks.check_adamw8bit_state_bytes, paging_8bit, right_8bit),  # the same layout, in another package
+        (checks.check_adam_state_bytes, adam_state_measured, right_adam_state),
+        (checks.check_saved_bytes, lambda b, widths: plan(1000).total, lambda b, widths: 4 * b * sum(widths[:-1])),
+    ],
+    ids=["1.1", "1.2", "1.2-paging", "0.1", "0.2"],
+)
 def test_lessons_0_and_1_refuse_an_answer_that_calls_the_library_and_accept_one_that_works_it_out(check, copied, right):
     with pytest.raises(CheckFailed, match="the course library's own answer"):
         check(copied)
@@ -155,34 +191,53 @@ def test_refusing_the_whole_library_names_the_module_called_and_never_the_checks
         assert checks.adam._layout_hint(right_model_state_bytes(10, "fp32", "sgd"), 10, "fp32", "sgd") is None
 
 
-
-
-@pytest.mark.parametrize("answer, hint", [
-    (lambda m: sum(8 * p.numel() + 4 for p in m.parameters() if p.requires_grad), "2 in bf16 or fp16"),  # fp32 only
-    (lambda m: sum(8 * p.numel() + 4 for p in m.parameters()), "2 in bf16 or fp16"),
-    (lambda m: sum(2 * p.numel() * p.element_size() + 4 for p in m.parameters()), "frozen parameter"),  # the old solution
-    (lambda m: sum(2 * p.numel() * p.element_size() for p in m.parameters() if p.requires_grad), "'step' counter"),
-    (lambda m: sum(2 * p.numel() * p.element_size() + p.element_size() for p in m.parameters() if p.requires_grad),
-     r"float32 scalar \(4 bytes\) whatever the parameter's dtype"),
-    (lambda m: sum(2 * p.numel() * p.element_size() + 4 for _, p in m.named_parameters(remove_duplicate=False)
-                   if p.requires_grad), "shared by two layers"),
-    (lambda m: sum(3 * p.numel() * p.element_size() + 4 for p in m.parameters() if p.requires_grad),
-     "exp_avg and exp_avg_sq take the parameter's"),
-])
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (lambda m: sum(8 * p.numel() + 4 for p in m.parameters() if p.requires_grad), "2 in bf16 or fp16"),  # fp32 only
+        (lambda m: sum(8 * p.numel() + 4 for p in m.parameters()), "2 in bf16 or fp16"),
+        (
+            lambda m: sum(2 * p.numel() * p.element_size() + 4 for p in m.parameters()),
+            "frozen parameter",
+        ),  # the old solution
+        (lambda m: sum(2 * p.numel() * p.element_size() for p in m.parameters() if p.requires_grad), "'step' counter"),
+        (
+            lambda m: sum(
+                2 * p.numel() * p.element_size() + p.element_size() for p in m.parameters() if p.requires_grad
+            ),
+            r"float32 scalar \(4 bytes\) whatever the parameter's dtype",
+        ),
+        (
+            lambda m: sum(
+                2 * p.numel() * p.element_size() + 4
+                for _, p in m.named_parameters(remove_duplicate=False)
+                if p.requires_grad
+            ),
+            "shared by two layers",
+        ),
+        (
+            lambda m: sum(3 * p.numel() * p.element_size() + 4 for p in m.parameters() if p.requires_grad),
+            "exp_avg and exp_avg_sq take the parameter's",
+        ),
+    ],
+)
 def test_exercise_0_1_fails_plausible_wrong_answers_with_their_hint(answer, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_adam_state_bytes(answer)
 
 
-@pytest.mark.parametrize("answer, hint", [
-    (lambda b, w: 4 * b * (w[0] + w[1]), "every hidden layer's ReLU output"),  # lesson 0's one-hidden-layer count
-    (lambda b, w: 4 * b * (w[0] + 2 * sum(w[1:-1])), "one storage"),  # ReLU's output counted twice
-    (lambda b, w: 4 * b * sum(w), "last Linear's output is not saved"),
-    (lambda b, w: 4 * b * sum(w[1:-1]), "saves its input x"),
-    (lambda b, w: b * sum(w[:-1]), "return bytes"),
-    (lambda b, w: 4 * sum(w[:-1]), "multiply by the batch"),
-    (lambda b, w: 4 * b * sum(w[:-1]) + sum(4 * (i + 1) * o for i, o in zip(w, w[1:])), "Weights are parameters"),
-])
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (lambda b, w: 4 * b * (w[0] + w[1]), "every hidden layer's ReLU output"),  # lesson 0's one-hidden-layer count
+        (lambda b, w: 4 * b * (w[0] + 2 * sum(w[1:-1])), "one storage"),  # ReLU's output counted twice
+        (lambda b, w: 4 * b * sum(w), "last Linear's output is not saved"),
+        (lambda b, w: 4 * b * sum(w[1:-1]), "saves its input x"),
+        (lambda b, w: b * sum(w[:-1]), "return bytes"),
+        (lambda b, w: 4 * sum(w[:-1]), "multiply by the batch"),
+        (lambda b, w: 4 * b * sum(w[:-1]) + sum(4 * (i + 1) * o for i, o in zip(w, w[1:])), "Weights are parameters"),
+    ],
+)
 def test_exercise_0_2_fails_plausible_wrong_answers_with_their_hint(answer, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_saved_bytes(answer)
@@ -192,41 +247,71 @@ def _mixed(value):
     return lambda n, p, o: value * n if p == "mixed-bf16" else right_model_state_bytes(n, p, o)["weights"]
 
 
-@pytest.mark.parametrize("wrong, hint, not_hint", [
-    (dict(weights=_mixed(4), gradients=_mixed(4), master_weights=lambda n, p, o: 0), "torch AMP's layout",
-     r"you left out"),
-    (dict(master_weights=lambda n, p, o: 0), "left out the fp32 master copy", "AMP"),
-    (dict(weights=_mixed(4)), "the fp32 copy is master_weights", "AMP"),
-    (dict(gradients=_mixed(4)), "18 B/param", "AMP"),
-    (dict(optimizer_state=lambda n, p, o: {"sgd": 0, "momentum": 1, "adamw": 2}[o] * 4 * n),  # pure bf16, fp32 state
-     "in pure bf16, torch keeps the optimizer state in the parameter's dtype", "ONE buffer"),
-    (dict(optimizer_state=lambda n, p, o: {"sgd": 0, "momentum": 2, "adamw": 2}[o] * (2 if p == "bf16" else 4) * n),
-     "ONE buffer", "pure bf16"),
-    (dict(optimizer_state=lambda n, p, o: {"sgd": 0, "momentum": 1, "adamw": 2}[o] * (4 if p == "fp32" else 2) * n),
-     "the optimizer state is fp32", "ONE buffer"),
-    (dict(optimizer_state=lambda n, p, o: 4 * n), "plain SGD keeps no state", "ONE buffer"),
-    (dict(master_weights=lambda n, p, o: 4 * n), "has no master copy", "AMP"),
-])
+@pytest.mark.parametrize(
+    "wrong, hint, not_hint",
+    [
+        (
+            dict(weights=_mixed(4), gradients=_mixed(4), master_weights=lambda n, p, o: 0),
+            "torch AMP's layout",
+            r"you left out",
+        ),
+        (dict(master_weights=lambda n, p, o: 0), "left out the fp32 master copy", "AMP"),
+        (dict(weights=_mixed(4)), "the fp32 copy is master_weights", "AMP"),
+        (dict(gradients=_mixed(4)), "18 B/param", "AMP"),
+        (
+            dict(
+                optimizer_state=lambda n, p, o: {"sgd": 0, "momentum": 1, "adamw": 2}[o] * 4 * n
+            ),  # pure bf16, fp32 state
+            "in pure bf16, torch keeps the optimizer state in the parameter's dtype",
+            "ONE buffer",
+        ),
+        (
+            dict(
+                optimizer_state=lambda n, p, o: {"sgd": 0, "momentum": 2, "adamw": 2}[o] * (2 if p == "bf16" else 4) * n
+            ),
+            "ONE buffer",
+            "pure bf16",
+        ),
+        (
+            dict(
+                optimizer_state=lambda n, p, o: {"sgd": 0, "momentum": 1, "adamw": 2}[o] * (4 if p == "fp32" else 2) * n
+            ),
+            "the optimizer state is fp32",
+            "ONE buffer",
+        ),
+        (dict(optimizer_state=lambda n, p, o: 4 * n), "plain SGD keeps no state", "ONE buffer"),
+        (dict(master_weights=lambda n, p, o: 4 * n), "has no master copy", "AMP"),
+    ],
+)
 def test_exercise_1_1_tells_the_layouts_apart_with_a_hint_right_for_each(wrong, hint, not_hint):
     with pytest.raises(CheckFailed, match=hint) as failed:
         checks.check_model_state_bytes(lambda n, p, o: right_model_state_bytes(n, p, o, **wrong))
     assert not re.search(not_hint, str(failed.value))
 
 
-@pytest.mark.parametrize("answer, hint", [
-    (lambda n, p, o: 16 * n, "return a dict"),  # one total: torch AMP's 4 + 4 + 8 and the master copy's 2 + 2 + 8 + 4
-    (lambda n, p, o: {"weights": 4 * n}, "give exactly weights, gradients, optimizer_state, master_weights"),
-])
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (
+            lambda n, p, o: 16 * n,
+            "return a dict",
+        ),  # one total: torch AMP's 4 + 4 + 8 and the master copy's 2 + 2 + 8 + 4
+        (lambda n, p, o: {"weights": 4 * n}, "give exactly weights, gradients, optimizer_state, master_weights"),
+    ],
+)
 def test_exercise_1_1_asks_for_the_categories_not_a_total(answer, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_model_state_bytes(answer)
 
 
-@pytest.mark.parametrize("answer, hint", [
-    (lambda n: 8 * n if n < 4096 else 2 * n, "absmax"),
-    (lambda n: 8 * n if n < 4096 else 2 * n + 8 * (n // 256), "round the number"),
-    (lambda n: right_8bit(max(n, 4096)) if n < 4096 else right_8bit(n), "keep 32-bit state"),
-])
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (lambda n: 8 * n if n < 4096 else 2 * n, "absmax"),
+        (lambda n: 8 * n if n < 4096 else 2 * n + 8 * (n // 256), "round the number"),
+        (lambda n: right_8bit(max(n, 4096)) if n < 4096 else right_8bit(n), "keep 32-bit state"),
+    ],
+)
 def test_exercise_1_2_fails_plausible_wrong_answers_with_their_hint(answer, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_adamw8bit_state_bytes(answer)

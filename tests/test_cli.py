@@ -13,16 +13,19 @@ def snapshot(folder: Path) -> dict:
     return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("args, says", [
-    (["grade", "missing.ipynb"], "missing.ipynb: no such file"),
-    (["grade", "notes.txt"], "notes.txt: not a notebook (.ipynb)"),
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["grade", "empty"], "empty: no notebooks (.ipynb) in this folder"),
-    (["grade", "empty", "--csv", "grades.ipynb"], "grades.ipynb: the gradebook is a .csv file"),
-    (["grade"], "the following arguments are required: NOTEBOOK_OR_FOLDER"),
-    (["make-exercises"], "no notebooks in solutions/"),
-    (["kernelspec", "nowhere"], "nowhere: no such folder of notebooks"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["grade", "missing.ipynb"], "missing.ipynb: no such file"),
+        (["grade", "notes.txt"], "notes.txt: not a notebook (.ipynb)"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["grade", "empty"], "empty: no notebooks (.ipynb) in this folder"),
+        (["grade", "empty", "--csv", "grades.ipynb"], "grades.ipynb: the gradebook is a .csv file"),
+        (["grade"], "the following arguments are required: NOTEBOOK_OR_FOLDER"),
+        (["make-exercises"], "no notebooks in solutions/"),
+        (["kernelspec", "nowhere"], "nowhere: no such folder of notebooks"),
+    ],
+)
 def test_bad_input_is_one_clear_line(tmp_path, args, says):
     (tmp_path / "notes.txt").write_text("not a notebook")
     (tmp_path / "empty" / ".ipynb_checkpoints").mkdir(parents=True)

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 from course_lib import planner
+from course_lib.models import model_spec
 from course_lib.planner.trace.compose import composed_trace, shallow_spec
 from course_lib.planner.trace.deep_stream import deep_stream, live_peak
 from course_lib.planner.trace.step import _trace
-from course_lib.models import model_spec
 
 CASES = [
     ("qwen2.5-0.5b", dict(precision="bf16", lora_rank=8, seq=128), 1),
@@ -41,24 +41,41 @@ def test_layers_that_do_not_repeat_give_no_deep_stream():
     assert deep_stream(replace(small, stream_marks=()), large, spec.n_layers, 1) is None
 
 
-@pytest.mark.parametrize("name, options", [
-    ("qwen2.5-0.5b", dict(precision="bf16", lora_rank=8, seq=128)),
-    # the larger of the copies' slacks was 0.83 GiB here, the full trace's 0.23 (with the cache emptied)
-    ("llama-3.2-3b", dict(precision="bf16", batch=4, seq=768, loop="keep-outputs")),
-])
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("qwen2.5-0.5b", dict(precision="bf16", lora_rank=8, seq=128)),
+        # the larger of the copies' slacks was 0.83 GiB here, the full trace's 0.23 (with the cache emptied)
+        ("llama-3.2-3b", dict(precision="bf16", batch=4, seq=768, loop="keep-outputs")),
+    ],
+)
 def test_a_composed_traces_slack_is_its_full_traces(name, options):
     spec, setup = model_spec(name), planner.Setup(**options).validate()
     full, composed = _trace(spec, setup, "cuda"), composed_trace(spec, setup, "cuda", _trace)
     assert composed is not None and composed.allocator_slack_emptied > 0
-    assert (composed.allocator_slack, composed.allocator_slack_emptied) \
-        == (full.allocator_slack, full.allocator_slack_emptied)
+    assert (composed.allocator_slack, composed.allocator_slack_emptied) == (
+        full.allocator_slack,
+        full.allocator_slack_emptied,
+    )
 
 
-@pytest.mark.parametrize("name, options", [
-    ("qwen2.5-0.5b", dict(precision="bf16", lora_rank=8, seq=128)),
-    ("llama-3.2-1b", dict(precision="bf16", quant="nf4", lora_rank=8, loop="outputs-until-step", seq=128,
-                          legacy_causal_lm_loss=True)),
-])
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("qwen2.5-0.5b", dict(precision="bf16", lora_rank=8, seq=128)),
+        (
+            "llama-3.2-1b",
+            dict(
+                precision="bf16",
+                quant="nf4",
+                lora_rank=8,
+                loop="outputs-until-step",
+                seq=128,
+                legacy_causal_lm_loss=True,
+            ),
+        ),
+    ],
+)
 def test_the_checkpointed_deep_stream_is_the_full_checkpointed_traces(name, options):
     """Every layer checkpointed, the deep model's stream built from the 3- and 4-layer copies is the stream of
     the checkpointed step traced on every layer, entry for entry; another plan is traced on the 3-layer copy."""

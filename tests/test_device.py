@@ -28,12 +28,15 @@ def test_asking_for_cuda_without_a_gpu_says_what_to_do():
     assert dev.compute_capability(torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("capability, autocast, scaler", [
-    ((7, 5), torch.float16, True),    # T4: no bf16 hardware, whatever is_bf16_supported() says
-    ((7, 0), torch.float16, True),    # V100
-    ((8, 0), torch.bfloat16, False),  # A100
-    ((9, 0), torch.bfloat16, False),  # H100
-])
+@pytest.mark.parametrize(
+    "capability, autocast, scaler",
+    [
+        ((7, 5), torch.float16, True),  # T4: no bf16 hardware, whatever is_bf16_supported() says
+        ((7, 0), torch.float16, True),  # V100
+        ((8, 0), torch.bfloat16, False),  # A100
+        ((9, 0), torch.bfloat16, False),  # H100
+    ],
+)
 def test_dtype_policy_decides_bf16_by_compute_capability(monkeypatch, capability, autocast, scaler):
     monkeypatch.setattr(dev, "compute_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
@@ -97,8 +100,11 @@ def test_declared_ranges_are_pyprojects(monkeypatch, capsys):
     """What `course-lib check` enforces is what pyproject.toml declares (an install older than the
     pyproject fails here: reinstall with `make test`)."""
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-    declared = {r.name.lower(): r.specifier for r in map(Requirement, project["dependencies"])
-                if r.marker is None or r.marker.evaluate()}
+    declared = {
+        r.name.lower(): r.specifier
+        for r in map(Requirement, project["dependencies"])
+        if r.marker is None or r.marker.evaluate()
+    }
     assert dev.declared_ranges() == declared
     assert {"torch", "transformers", "accelerate", "peft", "nbval"} <= set(declared)
 

@@ -16,8 +16,18 @@ import nbformat
 import pytest
 
 from course_lib.course import colab_url
-from course_lib.grading import (BEGIN, END, METADATA, jupyterlab_kernelspec, learner_fingerprint, make_exercise,
-                                  protected_cells, set_kernelspec, strip_solutions, write_exercises)
+from course_lib.grading import (
+    BEGIN,
+    END,
+    METADATA,
+    jupyterlab_kernelspec,
+    learner_fingerprint,
+    make_exercise,
+    protected_cells,
+    set_kernelspec,
+    strip_solutions,
+    write_exercises,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -34,15 +44,21 @@ def snapshot(folder: Path) -> dict:
 
 def test_strip_solutions_keeps_the_indentation_and_the_rest():
     source = f"def f(x):\n    y = 1\n    {BEGIN}\n    return x + y\n    {END}\n\nprint(f)"
-    assert strip_solutions(source) == "def f(x):\n    y = 1\n    # YOUR CODE HERE\n    raise NotImplementedError()\n\nprint(f)"
+    assert (
+        strip_solutions(source)
+        == "def f(x):\n    y = 1\n    # YOUR CODE HERE\n    raise NotImplementedError()\n\nprint(f)"
+    )
     assert strip_solutions("x = 1") == "x = 1"
 
 
-@pytest.mark.parametrize("source, problem", [
-    (f"{BEGIN}\nx = 1", f"{BEGIN} without {END}"),
-    (f"x = 1\n{END}", f"{END} without {BEGIN}"),
-    (f"{BEGIN}\n{BEGIN}\n{END}", "inside another solution block"),
-])
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        (f"{BEGIN}\nx = 1", f"{BEGIN} without {END}"),
+        (f"x = 1\n{END}", f"{END} without {BEGIN}"),
+        (f"{BEGIN}\n{BEGIN}\n{END}", "inside another solution block"),
+    ],
+)
 def test_unbalanced_markers_are_clear_errors(source, problem):
     with pytest.raises(ValueError, match=problem):
         strip_solutions(source, "solutions/x.ipynb cell 3")
@@ -88,11 +104,13 @@ def test_exercises_folder_is_exactly_what_the_generator_makes(tmp_path):
 
 def test_every_committed_notebook_has_the_kernel_spec_jupyterlab_writes():
     """Else opening a notebook in JupyterLab changes it (autosave rewrites the kernel spec)."""
-    stale = [str(p.relative_to(ROOT)) for folder in ("notebooks", "solutions", "exercises")
-             for p in sorted((ROOT / folder).glob("*.ipynb"))
-             if nbformat.read(p, as_version=4).metadata.get("kernelspec") != jupyterlab_kernelspec()]
-    assert not stale, ("run `course-lib kernelspec notebooks solutions` and "
-                       f"`course-lib make-exercises`: {stale}")
+    stale = [
+        str(p.relative_to(ROOT))
+        for folder in ("notebooks", "solutions", "exercises")
+        for p in sorted((ROOT / folder).glob("*.ipynb"))
+        if nbformat.read(p, as_version=4).metadata.get("kernelspec") != jupyterlab_kernelspec()
+    ]
+    assert not stale, f"run `course-lib kernelspec notebooks solutions` and `course-lib make-exercises`: {stale}"
 
 
 def test_set_kernelspec_changes_the_kernel_spec_and_nothing_else(tmp_path):
@@ -105,13 +123,22 @@ def test_set_kernelspec_changes_the_kernel_spec_and_nothing_else(tmp_path):
     assert path.read_text() == nbformat.writes(notebook) + "\n"
 
 
-@pytest.mark.parametrize("damage, says", [
-    (lambda folder: (folder / "b.ipynb").write_text("{ not json"), "b.ipynb: not a readable notebook (NotJSONError)"),
-    (lambda folder: (folder / "b.ipynb").write_text(json.dumps({"nbformat": 3, "nbformat_minor": 0, "metadata": {},
-                                                                 "worksheets": [{"cells": []}]})),
-     "b.ipynb: a notebook of nbformat 3, which rewriting would convert to 4"),
-    (lambda folder: [p.unlink() for p in folder.glob("*.ipynb")], "folder: no notebooks (.ipynb) in this folder"),
-])
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (
+            lambda folder: (folder / "b.ipynb").write_text("{ not json"),
+            "b.ipynb: not a readable notebook (NotJSONError)",
+        ),
+        (
+            lambda folder: (folder / "b.ipynb").write_text(
+                json.dumps({"nbformat": 3, "nbformat_minor": 0, "metadata": {}, "worksheets": [{"cells": []}]})
+            ),
+            "b.ipynb: a notebook of nbformat 3, which rewriting would convert to 4",
+        ),
+        (lambda folder: [p.unlink() for p in folder.glob("*.ipynb")], "folder: no notebooks (.ipynb) in this folder"),
+    ],
+)
 def test_kernelspec_refuses_what_it_would_damage_in_one_line_and_changes_nothing(tmp_path, damage, says):
     folder = tmp_path / "folder"
     folder.mkdir()
@@ -137,7 +164,8 @@ def test_an_exercise_torn_by_a_killed_write_is_named_so_and_nothing_is_written(t
     assert result.returncode == 2 and result.stderr.strip() == (
         f"course-lib: error: exercises/{torn.name}: not a readable notebook (a write cut short?), so not what was "
         "generated nor a learner's work saved by Jupyter; nothing was written: move it away, or pass --force to "
-        "write it again")
+        "write it again"
+    )
     assert snapshot(tmp_path) == before
     assert course_lib("make-exercises", "--force", cwd=tmp_path).returncode == 0
     assert torn.read_text() == (ROOT / "exercises" / torn.name).read_text()
@@ -215,11 +243,14 @@ def test_the_manifest_records_each_exercise_as_soon_as_it_is_written(tmp_path):
     assert again.returncode == 0 and "kept" not in again.stdout, again.stdout
 
 
-@pytest.mark.parametrize("damage, says", [
-    (lambda ex: (ex / ".generated.json").write_text("{ not json"), "cannot read the record of generated exercises"),
-    (lambda ex: (ex / ".generated.json").write_text("[1, 2]"), "not a record of generated exercises"),
-    (lambda ex: shutil.rmtree(ex) or ex.write_text("a file where the folder goes"), "cannot write it"),
-])
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda ex: (ex / ".generated.json").write_text("{ not json"), "cannot read the record of generated exercises"),
+        (lambda ex: (ex / ".generated.json").write_text("[1, 2]"), "not a record of generated exercises"),
+        (lambda ex: shutil.rmtree(ex) or ex.write_text("a file where the folder goes"), "cannot write it"),
+    ],
+)
 def test_a_damaged_exercises_folder_is_one_clear_line_and_loses_nothing(tmp_path, damage, says):
     shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
     write_exercises(tmp_path / "solutions", tmp_path / "exercises")
@@ -249,7 +280,9 @@ def test_grading_passes_the_solution_and_fails_the_exercise_at_its_checks_only(t
     assert result.returncode == 1, result.stderr
     with open(tmp_path / "grades.csv", newline="") as file:
         rows = list(csv.DictReader(file))
-    labels = [cell["label"] for cell in protected_cells(nbformat.read(solution, as_version=4)) if cell["role"] == "check"]
+    labels = [
+        cell["label"] for cell in protected_cells(nbformat.read(solution, as_version=4)) if cell["role"] == "check"
+    ]
     expected = {(f"submissions/{learner}/{solution.name}", label) for learner in ("ada", "bob") for label in labels}
     assert {(row["notebook"], row["exercise"]) for row in rows} == expected and len(rows) == len(expected)
     for row in rows:
@@ -270,8 +303,11 @@ def normalized(source: str) -> list[str]:
         tokens = list(tokenize.generate_tokens(io.StringIO(textwrap.dedent(code)).readline))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return code.split()
-    return [token.string for token in tokens if token.type not in skip
-            and not (token.type == tokenize.STRING and token.string.startswith(('"""', "'''")))]
+    return [
+        token.string
+        for token in tokens
+        if token.type not in skip and not (token.type == tokenize.STRING and token.string.startswith(('"""', "'''")))
+    ]
 
 
 def answers(source: str) -> list[str]:
@@ -279,15 +315,25 @@ def answers(source: str) -> list[str]:
     return re.findall(rf"^[ \t]*{BEGIN}\n(.*?)^[ \t]*{END}", source, re.MULTILINE | re.DOTALL)
 
 
-ANSWERS = [(solution, n) for solution in SOLUTIONS for n, cell in enumerate(nbformat.read(solution, 4).cells)
-           if answers(cell.source)]
-@pytest.mark.parametrize("solution, index", ANSWERS,
-                         ids=lambda value: value.stem if isinstance(value, Path) else f"cell {value}")
+ANSWERS = [
+    (solution, n)
+    for solution in SOLUTIONS
+    for n, cell in enumerate(nbformat.read(solution, 4).cells)
+    if answers(cell.source)
+]
+
+
+@pytest.mark.parametrize(
+    "solution, index", ANSWERS, ids=lambda value: value.stem if isinstance(value, Path) else f"cell {value}"
+)
 def test_no_exercise_answer_is_printed_by_its_lesson(solution, index):
     """An exercise that the lesson's code answers is transcription: at most 80% of an answer's code (its
     tokens, in order) may be found in any one code cell of the lesson."""
-    lesson = [normalized(cell.source) for cell in nbformat.read(ROOT / "notebooks" / solution.name, 4).cells
-              if cell.cell_type == "code"]
+    lesson = [
+        normalized(cell.source)
+        for cell in nbformat.read(ROOT / "notebooks" / solution.name, 4).cells
+        if cell.cell_type == "code"
+    ]
     for answer in map(normalized, answers(nbformat.read(solution, 4).cells[index].source)):
         for n, code in enumerate(lesson):
             matcher = difflib.SequenceMatcher(None, answer, code, autojunk=False)
@@ -297,13 +343,16 @@ def test_no_exercise_answer_is_printed_by_its_lesson(solution, index):
 
 def _copied(answer: str, code: str) -> float:
     answer, code = normalized(answer), normalized(code)
-    return sum(block.size for block in difflib.SequenceMatcher(None, answer, code, autojunk=False)
-               .get_matching_blocks()) / len(answer)
+    return sum(
+        block.size for block in difflib.SequenceMatcher(None, answer, code, autojunk=False).get_matching_blocks()
+    ) / len(answer)
 
 
 def test_the_near_copy_measure_flags_a_renamed_copy_and_passes_a_generalisation():
-    lesson = "def train(model, batches, k):\n    for i, batch in enumerate(batches):\n        loss = model(batch) / k\n" \
-             "        loss.backward()\n        if (i + 1) % k == 0:\n            step()\n"
+    lesson = (
+        "def train(model, batches, k):\n    for i, batch in enumerate(batches):\n        loss = model(batch) / k\n"
+        "        loss.backward()\n        if (i + 1) % k == 0:\n            step()\n"
+    )
     copy = lesson.replace("    ", "  ") + "# a comment\n"
     assert _copied(copy, lesson) == 1.0
     assert _copied("return 4 * batch * sum(widths[:-1])", "by_hand = 4 * batch * (d_in + hidden)") <= 0.8

@@ -11,9 +11,9 @@ import torch
 
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.layers import find_layer_stack
+from course_lib.models import spec_from_model
 from course_lib.planner import plan
 from course_lib.planner.parallel.fsdp import layer_and_root_numels
-from course_lib.models import spec_from_model
 from course_lib.sharding import run_ranks
 from course_lib.sharding.tracking import RankTracker
 
@@ -28,8 +28,9 @@ def _model(trained: str):
     if trained == "lora":
         from peft import LoraConfig, get_peft_model  # heavy: peft
 
-        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear",
-                                                 task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear", task_type="CAUSAL_LM")
+        )
     return model
 
 
@@ -67,18 +68,23 @@ def _fsdp1_rank(rank: int, world_size: int) -> list[int]:
         torch.manual_seed(0)
         model = _model(trained)
         ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
-        policy = fsdp_auto_wrap_policy(model) if wrapping == "peft" else \
-            ModuleWrapPolicy({type(find_layer_stack(model)[0])})
+        policy = (
+            fsdp_auto_wrap_policy(model) if wrapping == "peft" else ModuleWrapPolicy({type(find_layer_stack(model)[0])})
+        )
         tracker = RankTracker()
         for tensor in [*model.parameters(), *model.buffers(), ids]:
             tracker.watch(tensor)
         restore = _tracked_fsdp1_storage(tracker)
         try:
             with tracker:
-                engine = FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True,
-                                                  sharding_strategy=ShardingStrategy.FULL_SHARD,
-                                                  backward_prefetch=prefetch and BackwardPrefetch[prefetch],
-                                                  device_id=torch.device("cpu"))  # else it asks for an accelerator
+                engine = FullyShardedDataParallel(
+                    model,
+                    auto_wrap_policy=policy,
+                    use_orig_params=True,
+                    sharding_strategy=ShardingStrategy.FULL_SHARD,
+                    backward_prefetch=prefetch and BackwardPrefetch[prefetch],
+                    device_id=torch.device("cpu"),
+                )  # else it asks for an accelerator
                 optimizer = torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad], lr=1e-3)
                 del model
                 for step in range(2):
@@ -105,8 +111,18 @@ def spec():
 
 
 def _plan(spec, version: int, lora_rank: int = 0, prefetch: bool = False):
-    return plan(spec, precision="fp32", optimizer="adamw", lora_rank=lora_rank, batch=BATCH, seq=SEQ, gpus=N,
-                shard="zero3", fsdp_version=version, fsdp_backward_prefetch=prefetch)
+    return plan(
+        spec,
+        precision="fp32",
+        optimizer="adamw",
+        lora_rank=lora_rank,
+        batch=BATCH,
+        seq=SEQ,
+        gpus=N,
+        shard="zero3",
+        fsdp_version=version,
+        fsdp_backward_prefetch=prefetch,
+    )
 
 
 def test_fsdp1s_full_fine_tune_and_the_trainers_lora_are_planned_within_5_percent(measured, spec):
@@ -147,8 +163,17 @@ def test_fsdp1s_unshard_stream_reserves_its_own_peak():
     # the step peaks at phase a (10); the gathered bytes peak at b (5); the rest at a (10 - 2)
     assert unshard_pool_extra({"a": 10, "b": 8, "c": 1}, {"a": 2, "b": 5}) == 8 + 5 - 10
     assert unshard_pool_extra({"a": 10, "b": 8}, {"a": 5, "b": 5}) == 0  # the same peak: nothing more
-    options = dict(lora_rank=64, precision="bf16", batch=4, seq=2048, gpus=2, shard="zero3",
-                   checkpointing="every-layer", gpu="rtx3090", suggest=False)
+    options = dict(
+        lora_rank=64,
+        precision="bf16",
+        batch=4,
+        seq=2048,
+        gpus=2,
+        shard="zero3",
+        checkpointing="every-layer",
+        gpu="rtx3090",
+        suggest=False,
+    )
     fsdp1 = plan("llama-2-7b", fsdp_version=1, fsdp_backward_prefetch=True, **options)
     assert fsdp1.detail["stream_pools_extra"] > 0
     assert fsdp1.reserved - fsdp1.oom_line.allocated >= fsdp1.detail["stream_pools_extra"]

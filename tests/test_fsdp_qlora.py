@@ -8,9 +8,9 @@ import torch
 
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.measure import storage_bytes
+from course_lib.models import model_spec, spec_from_model
 from course_lib.planner import PlanError, plan
 from course_lib.planner.states.model_states import nf4_bytes
-from course_lib.models import model_spec, spec_from_model
 from course_lib.sharding import run_ranks
 from course_lib.sharding.engines import wrap
 from course_lib.sharding.tracking import RankTracker
@@ -39,13 +39,21 @@ def _load_qlora(folder: str):
     from peft import LoraConfig, get_peft_model  # heavy: peft and transformers
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cpu",
-                                                 quantization_config=config)
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, device_map="cpu", quantization_config=config
+    )
     model.config.use_cache = False
-    return get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear",
-                                            lora_dropout=0.0, task_type="CAUSAL_LM")).train()
+    return get_peft_model(
+        model,
+        LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"),
+    ).train()
 
 
 def _qlora_rank(rank: int, world_size: int, folder: str, stage: str) -> dict:
@@ -68,8 +76,12 @@ def _qlora_rank(rank: int, world_size: int, folder: str, stage: str) -> dict:
             optimizer.zero_grad(set_to_none=True)
             peaks.append(tracker.phase_peaks[f"step {len(peaks)}"])
     local = [p.to_local() if hasattr(p, "to_local") else p for p in engine.parameters()]
-    return {"peak": peaks[-1], "parameters": storage_bytes(local), "quant_state": storage_bytes(quant_state),
-            "dtypes": sorted({str(p.dtype) for p in local})}
+    return {
+        "peak": peaks[-1],
+        "parameters": storage_bytes(local),
+        "quant_state": storage_bytes(quant_state),
+        "dtypes": sorted({str(p.dtype) for p in local}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +95,10 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def measured(tiny):
     folder, _ = tiny
-    return {stage: run_ranks(_qlora_rank, N, folder, stage, timeout_s=240, what="FSDP + QLoRA processes")
-            for stage in ("zero3",)}
+    return {
+        stage: run_ranks(_qlora_rank, N, folder, stage, timeout_s=240, what="FSDP + QLoRA processes")
+        for stage in ("zero3",)
+    }
 
 
 def test_fsdp2_shards_the_packed_4bit_weights_and_keeps_the_quant_state_whole(tiny, measured):
@@ -153,13 +167,16 @@ def test_fsdp_qlora_is_refused_with_a_master_copy_precision_in_one_line():
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(fsdp_version=1, fsdp_wrapping="torchtitan"), "configure FSDP2"),
-    (dict(fsdp_version=1, precision="mixed-bf16", lora_rank=0, quant="none"), "MixedPrecision"),
-    (dict(fsdp_version=3), "fsdp_version must be 1"),
-    (dict(fsdp_version=1, prepare_kbit=True), "one parameter of one dtype"),
-    (dict(fsdp_version=1, shard="zero1"), "need --shard zero2 or zero3"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(fsdp_version=1, fsdp_wrapping="torchtitan"), "configure FSDP2"),
+        (dict(fsdp_version=1, precision="mixed-bf16", lora_rank=0, quant="none"), "MixedPrecision"),
+        (dict(fsdp_version=3), "fsdp_version must be 1"),
+        (dict(fsdp_version=1, prepare_kbit=True), "one parameter of one dtype"),
+        (dict(fsdp_version=1, shard="zero1"), "need --shard zero2 or zero3"),
+    ],
+)
 def test_fsdp1s_options_are_checked_in_one_line(options, message):
     with pytest.raises(PlanError, match=message) as error:
         plan("llama-3.2-1b", **{**dict(QLORA, gpus=2, shard="zero3"), **options})

@@ -11,17 +11,31 @@ import pytest
 from course_lib import cli, planner
 from course_lib.caching_allocator import EMPTY_CACHE, MiB, concatenated, replay
 from course_lib.measure import GiB
-from course_lib.planner.parallel import fsdp_wrap
-from course_lib.planner.config.setup import PlanError
-from course_lib.planner.states.model_states import nf4_bytes
 from course_lib.models import model_spec
+from course_lib.planner.config.setup import PlanError
+from course_lib.planner.parallel import fsdp_wrap
+from course_lib.planner.states.model_states import nf4_bytes
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
 # Answer.AI's fsdp_qlora template (benchmarks_03_2024.md), 2 GPUs, FSDP1 full shard
-ANSWER_AI = planner.Setup(precision="bf16", lora_rank=64, lora_targets=TARGETS, lora_dropout=0.1, quant="nf4-dq",
-                         autocast_adapter_dtype=False, batch=1, seq=512, checkpointing="every-layer",
-                         loop="outputs-until-step", legacy_causal_lm_loss=True, gpus=2, shard="zero3", fsdp_version=1,
-                         fsdp_backward_prefetch=True, fsdp_wrap_from="cpu-broadcast")
+ANSWER_AI = planner.Setup(
+    precision="bf16",
+    lora_rank=64,
+    lora_targets=TARGETS,
+    lora_dropout=0.1,
+    quant="nf4-dq",
+    autocast_adapter_dtype=False,
+    batch=1,
+    seq=512,
+    checkpointing="every-layer",
+    loop="outputs-until-step",
+    legacy_causal_lm_loss=True,
+    gpus=2,
+    shard="zero3",
+    fsdp_version=1,
+    fsdp_backward_prefetch=True,
+    fsdp_wrap_from="cpu-broadcast",
+)
 
 
 def test_the_units_are_the_adapters_then_each_layer_then_the_root():
@@ -53,8 +67,13 @@ def test_the_wrap_keeps_the_shards_and_caches_the_rest(wrap_from, shard):
     """Replayed, the wrap's stream leaves allocated exactly what it keeps: rank 0's chunk of every flat
     parameter (the whole flat parameter under NO_SHARD) and the quant_state; the rest stays reserved."""
     spec = model_spec("llama-2-7b")
-    setup = replace(ANSWER_AI, fsdp_wrap_from=wrap_from, shard=shard,
-                    fsdp_version=1 if shard != "none" else 2, fsdp_backward_prefetch=shard != "none").validate()
+    setup = replace(
+        ANSWER_AI,
+        fsdp_wrap_from=wrap_from,
+        shard=shard,
+        fsdp_version=1 if shard != "none" else 2,
+        fsdp_backward_prefetch=shard != "none",
+    ).validate()
     stream, kept = fsdp_wrap.wrap_stream(spec, setup)
     made = [entry for entry in stream if entry >= 0]
     freed = {~entry for entry in stream if entry < 0}
@@ -73,8 +92,10 @@ def test_the_wrap_keeps_the_shards_and_caches_the_rest(wrap_from, shard):
 
 def test_the_broadcast_caches_more_than_the_move_alone():
     spec = model_spec("llama-2-7b")
-    moved, broadcast = (replay(fsdp_wrap.wrap_stream(spec, replace(ANSWER_AI, fsdp_wrap_from=how).validate())[0])
-                        for how in ("cpu", "cpu-broadcast"))
+    moved, broadcast = (
+        replay(fsdp_wrap.wrap_stream(spec, replace(ANSWER_AI, fsdp_wrap_from=how).validate())[0])
+        for how in ("cpu", "cpu-broadcast")
+    )
     assert moved.allocated == broadcast.allocated and broadcast.reserved > moved.reserved
 
 
@@ -90,11 +111,14 @@ def test_concatenated_streams_free_their_own_allocations():
     assert concatenated([5, EMPTY_CACHE], [7, ~0]) == [5, EMPTY_CACHE, 7, ~1]
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(gpus=None, shard="none", fsdp_version=2, fsdp_backward_prefetch=False), "--gpus N"),
-    (dict(fsdp_version=2, fsdp_backward_prefetch=False), "FSDP1"),
-    (dict(fsdp_wrap_from="gpu"), "fsdp_wrap_from"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(gpus=None, shard="none", fsdp_version=2, fsdp_backward_prefetch=False), "--gpus N"),
+        (dict(fsdp_version=2, fsdp_backward_prefetch=False), "FSDP1"),
+        (dict(fsdp_wrap_from="gpu"), "fsdp_wrap_from"),
+    ],
+)
 def test_a_wrap_fsdp1_does_not_make_is_one_line(changes, message):
     with pytest.raises(PlanError, match=message) as error:
         replace(ANSWER_AI, **changes).validate()
@@ -112,8 +136,24 @@ def test_the_wrap_changes_the_reserved_memory_only():
 
 
 def test_the_cli_takes_the_wrap(capsys):
-    flags = ("llama-2-7b", "--precision", "bf16", "--lora-rank", "64", "--quant", "nf4-dq", "--gpus", "2",
-             "--shard", "zero3", "--fsdp-version", "1", "--gpu", "rtx3090", "--json")
+    flags = (
+        "llama-2-7b",
+        "--precision",
+        "bf16",
+        "--lora-rank",
+        "64",
+        "--quant",
+        "nf4-dq",
+        "--gpus",
+        "2",
+        "--shard",
+        "zero3",
+        "--fsdp-version",
+        "1",
+        "--gpu",
+        "rtx3090",
+        "--json",
+    )
     assert cli.main(["plan", *flags, "--fsdp-wrap-from", "cpu-broadcast"]) == 0
     wrapped = json.loads(capsys.readouterr().out)
     assert cli.main(["plan", *flags]) == 0

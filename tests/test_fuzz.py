@@ -15,19 +15,57 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from course_lib import accumulation, checkpointing, planner, paging, qlora, sharding, toolbox, validate
+from course_lib import accumulation, checkpointing, paging, planner, qlora, sharding, toolbox, validate
 from course_lib.cli import main
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
 
-FUZZ = settings(max_examples=15, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 # The values a user gets wrong, and random ones of every type.
-CORNERS = [None, True, False, 0, -1, 1, 2, -7e9, 1e30, 10**20, 0.5, 1.5, math.nan, math.inf, -math.inf, "", "no",
-           "off", "7", "c_attn", "zero3", [], [1, 2], ["a"], {}, {"batch": 2}, (), b"x"]
-VALUES = st.one_of(st.sampled_from(CORNERS), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
-                   st.text(max_size=6), st.lists(st.one_of(st.integers(-3, 3), st.text(max_size=3)), max_size=3))
+CORNERS = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    -7e9,
+    1e30,
+    10**20,
+    0.5,
+    1.5,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "",
+    "no",
+    "off",
+    "7",
+    "c_attn",
+    "zero3",
+    [],
+    [1, 2],
+    ["a"],
+    {},
+    {"batch": 2},
+    (),
+    b"x",
+]
+VALUES = st.one_of(
+    st.sampled_from(CORNERS),
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=True),
+    st.text(max_size=6),
+    st.lists(st.one_of(st.integers(-3, 3), st.text(max_size=3)), max_size=3),
+)
 
 
 def outcome(call, check=lambda result: None):
@@ -55,10 +93,28 @@ def good_plan(result) -> None:
 
 # ------------------------------------------------------------------ the CLI
 
-PLAN_OPTIONS = ["--params", "--batch", "--seq", "--accum", "--lora-rank", "--lora-dropout", "--gpus", "--shard",
-                "--checkpointing", "--chunked-loss", "--gpu", "--precision", "--optimizer", "--quant"]
-TEXTS = st.one_of(st.sampled_from(["0", "-1", "-7e9", "1e30", "nan", "inf", "-inf", "1.5", "", "no", "7B", "2",
-                                   "zero3", "every-2", "t4"]), st.text(max_size=6))
+PLAN_OPTIONS = [
+    "--params",
+    "--batch",
+    "--seq",
+    "--accum",
+    "--lora-rank",
+    "--lora-dropout",
+    "--gpus",
+    "--shard",
+    "--checkpointing",
+    "--chunked-loss",
+    "--gpu",
+    "--precision",
+    "--optimizer",
+    "--quant",
+]
+TEXTS = st.one_of(
+    st.sampled_from(
+        ["0", "-1", "-7e9", "1e30", "nan", "inf", "-inf", "1.5", "", "no", "7B", "2", "zero3", "every-2", "t4"]
+    ),
+    st.text(max_size=6),
+)
 
 
 @FUZZ
@@ -95,6 +151,7 @@ def test_grade_command_options(capsys, tmp_path, option, text):
 
 # ------------------------------------------------------------------ memory, qlora
 
+
 @pytest.mark.parametrize("field", sorted(planner.Setup.__dataclass_fields__))
 @FUZZ
 @given(value=VALUES)
@@ -103,8 +160,10 @@ def test_plan_of_a_count_with_any_setup_field(field, value):
 
 
 @FUZZ
-@given(field=st.sampled_from(["batch", "seq", "accum", "checkpointing", "chunked_loss", "lora_targets", "gpus"]),
-       value=VALUES)
+@given(
+    field=st.sampled_from(["batch", "seq", "accum", "checkpointing", "chunked_loss", "lora_targets", "gpus"]),
+    value=VALUES,
+)
 def test_plan_of_a_model_with_a_shape_field(tiny_config, field, value):
     options = {"lora_rank": 4} if field == "lora_targets" else {"shard": "zero3"} if field == "gpus" else {}
     outcome(lambda: planner.plan(tiny_config, **options, **{field: value}), good_plan)
@@ -125,11 +184,13 @@ def test_recipe_fields(field, value):
 
 # ------------------------------------------------------------------ paging
 
+
 @FUZZ
 @given(argument=st.sampled_from(["context", "prefetch_efficiency", "flops"]), value=VALUES)
 def test_t4_hardware(argument, value):
     def check(hardware):
         assert hardware.h2d_bandwidth <= hardware.link_bandwidth and hardware.memory > 0
+
     outcome(lambda: paging.Hardware.t4(**{argument: value}), check)
 
 
@@ -148,6 +209,7 @@ def test_simulate_offload(tokens, setup):
     def check(result):
         finite_numbers([result.total, result.device_peak])
         assert result.total >= 0 and result.device_peak >= 0
+
     outcome(lambda: paging.simulate_offload(chosen, tokens), check)
 
 
@@ -156,30 +218,40 @@ def test_simulate_offload(tokens, setup):
 def test_transformer_params(argument, value):
     args = [2, 32, 64]
     args[argument] = value
-    outcome(lambda: paging.TrainingSetup(paging.transformer_params(*args)),
-            lambda setup: finite_numbers([setup.n_params]))
+    outcome(
+        lambda: paging.TrainingSetup(paging.transformer_params(*args)), lambda setup: finite_numbers([setup.n_params])
+    )
 
 
 # ------------------------------------------------------------------ toolbox, accumulation, checkpointing
 
+
 @FUZZ
 @given(argument=st.sampled_from(["chunk_size", "num_items_in_batch", "labels", "hidden"]), value=VALUES)
 def test_chunked_cross_entropy(argument, value):
-    arguments = {"hidden": torch.randn(1, 4, 8), "weight": torch.randn(10, 8),
-                 "labels": torch.randint(0, 10, (1, 4)), "chunk_size": 2}
+    arguments = {
+        "hidden": torch.randn(1, 4, 8),
+        "weight": torch.randn(10, 8),
+        "labels": torch.randint(0, 10, (1, 4)),
+        "chunk_size": 2,
+    }
     arguments[argument] = value
 
     def check(loss):
         assert torch.isfinite(loss) and loss >= 0
+
     outcome(lambda: toolbox.chunked_cross_entropy(**arguments), check)
 
 
 @FUZZ
 @given(value=VALUES)
 def test_accumulation_breaks_with_any_batches(value):
-    outcome(lambda: toolbox.accumulation_breaks(lambda: torch.nn.Linear(2, 2), value,
-                                                lambda p: torch.optim.SGD(p, lr=0.1), lambda m, b: m(b).sum()),
-            lambda report: finite_numbers(report.values()))
+    outcome(
+        lambda: toolbox.accumulation_breaks(
+            lambda: torch.nn.Linear(2, 2), value, lambda p: torch.optim.SGD(p, lr=0.1), lambda m, b: m(b).sum()
+        ),
+        lambda report: finite_numbers(report.values()),
+    )
 
 
 @FUZZ
@@ -190,9 +262,15 @@ def test_accumulation_steps_and_loops(value):
 
     def loop(cls):  # the reference loop only for no mistake at all, a broken one only for its name
         assert issubclass(cls, accumulation.AccumulationLoop), cls
-        expected = accumulation.AccumulationLoop if value in ((), []) else accumulation.BROKEN_LOOPS.get(
-            value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value)
+        expected = (
+            accumulation.AccumulationLoop
+            if value in ((), [])
+            else accumulation.BROKEN_LOOPS.get(
+                value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+            )
+        )
         assert cls is expected, (value, cls)
+
     outcome(lambda: accumulation.check_accumulation_steps(value), steps)
     outcome(lambda: accumulation.loop_class(value), loop)
 
@@ -203,9 +281,16 @@ def test_train_with_accumulation(argument, value):
     model = accumulation.TinyTokenLM(seed=0)
     arguments = {"batches": accumulation.padded_token_batches(2, batch_size=2), "accumulation_steps": 2}
     arguments[argument] = value
-    outcome(lambda: accumulation.train_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                                         loss=accumulation.TokenLoss(), progress=False, **arguments),
-            lambda result: finite_numbers(result.losses))
+    outcome(
+        lambda: accumulation.train_with_accumulation(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss=accumulation.TokenLoss(),
+            progress=False,
+            **arguments,
+        ),
+        lambda result: finite_numbers(result.losses),
+    )
 
 
 @FUZZ
@@ -222,10 +307,12 @@ def test_demonstrate_mistakes_refuses_what_names_no_mistake(value):
 def test_named_checkpointing_plans(layers, name):
     def check(plan):
         assert all(0 <= start < end <= layers for start, end in plan)
+
     outcome(lambda: checkpointing.named_plan(layers, name), check)
 
 
 # ------------------------------------------------------------------ sharding, measure, validate
+
 
 def _spawned(*args, **kwargs):
     raise _Reached
@@ -236,21 +323,27 @@ class _Reached(Exception):
 
 
 @FUZZ
-@given(argument=st.sampled_from(["world_size", "stages", "batch", "seq", "micro_batches", "skip_sync", "repeats"]),
-       value=VALUES)
+@given(
+    argument=st.sampled_from(["world_size", "stages", "batch", "seq", "micro_batches", "skip_sync", "repeats"]),
+    value=VALUES,
+)
 def test_measure_sharding_validates_before_spawning(monkeypatch, argument, value):
     monkeypatch.setattr(sharding.measuring, "run_ranks", _spawned)
     arguments = {"world_size": 2, argument: value}
     try:
-        outcome(lambda: sharding.measure_sharding(functools.partial(checkpointing.tiny_decoder, "llama", n_layers=2),
-                                                  **arguments))
+        outcome(
+            lambda: sharding.measure_sharding(
+                functools.partial(checkpointing.tiny_decoder, "llama", n_layers=2), **arguments
+            )
+        )
     except _Reached:
         pass
 
 
 @FUZZ
-@given(argument=st.sampled_from(["variants", "world_size", "n_micro", "accumulation_steps", "rows_per_rank"]),
-       value=VALUES)
+@given(
+    argument=st.sampled_from(["variants", "world_size", "n_micro", "accumulation_steps", "rows_per_rank"]), value=VALUES
+)
 def test_ddp_demo_validates_before_spawning(monkeypatch, argument, value):
     monkeypatch.setattr(accumulation.crosschecks, "run_ranks", _spawned)
     try:
@@ -260,22 +353,36 @@ def test_ddp_demo_validates_before_spawning(monkeypatch, argument, value):
 
 
 @FUZZ
-@given(model=st.sampled_from(["meta", "module", "no parameters", None, "text"]), optimizer=st.sampled_from(
-    ["own", "other", None, "text"]))
+@given(
+    model=st.sampled_from(["meta", "module", "no parameters", None, "text"]),
+    optimizer=st.sampled_from(["own", "other", None, "text"]),
+)
 def test_measure_step_inputs(model, optimizer):
-    built = {"meta": torch.nn.Linear(2, 2, device="meta"), "module": torch.nn.Linear(2, 2),
-             "no parameters": torch.nn.ReLU(), None: None, "text": "model"}[model]
+    built = {
+        "meta": torch.nn.Linear(2, 2, device="meta"),
+        "module": torch.nn.Linear(2, 2),
+        "no parameters": torch.nn.ReLU(),
+        None: None,
+        "text": "model",
+    }[model]
     params = built.parameters() if isinstance(built, torch.nn.Module) and model != "no parameters" else None
-    opt = {"own": torch.optim.SGD(params, lr=0.1) if params is not None else None,
-           "other": torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), None: None, "text": "adam"}[optimizer]
-    outcome(lambda: measure_step(built, opt, lambda: built(torch.ones(1, 2)).sum()),
-            lambda step: finite_numbers([step.peak, step.parameters]))
+    opt = {
+        "own": torch.optim.SGD(params, lr=0.1) if params is not None else None,
+        "other": torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+        None: None,
+        "text": "adam",
+    }[optimizer]
+    outcome(
+        lambda: measure_step(built, opt, lambda: built(torch.ones(1, 2)).sum()),
+        lambda step: finite_numbers([step.peak, step.parameters]),
+    )
 
 
 @FUZZ
 @given(value=VALUES)
 def test_the_checks_themselves(value):
     """Each check refuses in one line or returns what it promises, of the value given."""
+
     def real(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -285,18 +392,22 @@ def test_the_checks_themselves(value):
         validate.positive: lambda x: real(x) and x > 0,
         validate.probability: lambda x: real(x) and 0 <= x <= 1,
         validate.strict_bool: lambda b: b is value,
-        validate.strings: lambda items: type(items) is tuple and len(items) > 0
-        and all(isinstance(item, str) and item for item in items),
+        validate.strings: lambda items: (
+            type(items) is tuple and len(items) > 0 and all(isinstance(item, str) and item for item in items)
+        ),
         validate.non_empty: lambda items: type(items) is list and len(items) > 0,
     }
     for check, promise in promises.items():
+
         def kept(result, check=check, promise=promise):
             assert promise(result), (check.__name__, value, result)
+
         outcome(lambda: check("x", value), kept)
     outcome(lambda: validate.choice("x", value, ("a", "b")), lambda result: result in ("a", "b"))
 
 
 # ------------------------------------------------------------------ more of each package's public functions
+
 
 def _non_negative(result) -> None:
     values = result if isinstance(result, (tuple, list)) else [result]
@@ -316,8 +427,10 @@ ONE_ARGUMENT = {
     "paging.bnb_estimate_ms": (lambda v: paging.bnb_estimate_ms(v), _non_negative),
     "paging.block_bytes": (lambda v: paging.block_bytes(v), _non_negative),
     "paging.sweep_faults": (lambda v: paging.sweep_faults(v, 2), _non_negative),
-    "accumulation.padded_token_batches": (lambda v: accumulation.padded_token_batches(v, batch_size=2)
-                                          if not isinstance(v, int) or v < 50 else [], None),
+    "accumulation.padded_token_batches": (
+        lambda v: accumulation.padded_token_batches(v, batch_size=2) if not isinstance(v, int) or v < 50 else [],
+        None,
+    ),
     "accumulation.split_batch": (lambda v: accumulation.split_batch(accumulation.regression_batches(1)[0], v), None),
     "accumulation.tiny_mlp": (lambda v: accumulation.tiny_mlp(v), None),
     "qlora.Recipe.without": (lambda v: qlora.Recipe().without(v), lambda recipe: recipe.validate()),

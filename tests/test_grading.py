@@ -18,7 +18,6 @@ import pytest
 
 import course_lib.layers
 from course_lib.checks import CheckFailed, refuse_reference
-
 from course_lib.grading import METADATA, identify, load_references, make_exercise, restore, run_notebook
 from course_lib.grading import run as runner
 from course_lib.grading.restore import FRESH_CHECKS
@@ -48,6 +47,7 @@ def check_cells(notebook):
 
 
 # --- which cells run: the learner's, with the setup and check cells from the reference -------------
+
 
 def test_an_untouched_exercise_runs_as_it_is_with_fresh_checks():
     restored = restore(exercise(), reference())
@@ -120,8 +120,11 @@ def test_a_submission_is_identified_by_metadata_then_file_name_then_cell_ids():
 
 
 def test_the_reference_made_from_solutions_is_the_committed_exercise():
-    assert reference() == make_exercise(nbformat.read(ROOT / "solutions" / EXERCISE.name, as_version=4),
-                                        f"solutions/{EXERCISE.name}", f"exercises/{EXERCISE.name}")
+    assert reference() == make_exercise(
+        nbformat.read(ROOT / "solutions" / EXERCISE.name, as_version=4),
+        f"solutions/{EXERCISE.name}",
+        f"exercises/{EXERCISE.name}",
+    )
     assert load_references(ROOT / "exercises")[EXERCISE.stem] == exercise()
 
 
@@ -133,6 +136,7 @@ def test_a_notebook_past_its_own_limit_stops_there_though_each_cell_is_within_it
 
 
 # --- the issue's table, graded as a class folder ------------------------------------------------------
+
 
 def variant(folder: Path, edit=None, source: Path = EXERCISE) -> Path:
     notebook = nbformat.read(source, as_version=4)
@@ -146,6 +150,7 @@ def variant(folder: Path, edit=None, source: Path = EXERCISE) -> Path:
 def append_to_answer(code):
     def edit(notebook):
         notebook.cells[3].source += "\n" + code
+
     return edit
 
 
@@ -156,10 +161,12 @@ def deleted_and_commented(notebook):
 
 
 def patched_and_wrapped(notebook):
-    notebook.cells[3].source += ("\nfrom course_lib import checks\n"
-                                 "checks.check_model_state_bytes = lambda *a: print('Correct!')")
+    patch = "from course_lib import checks\nchecks.check_model_state_bytes = lambda *a: print('Correct!')"
+    notebook.cells[3].source += "\n" + patch
     second = check_cells(notebook)[1]
-    second.source = "try:\n" + "".join(f"    {line}\n" for line in second.source.splitlines()) + "except Exception:\n    pass"
+    second.source = (
+        "try:\n" + "".join(f"    {line}\n" for line in second.source.splitlines()) + "except Exception:\n    pass"
+    )
 
 
 def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_another(tmp_path):
@@ -177,21 +184,37 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
         "patched_and_wrapped": variant(class_dir / "patched_and_wrapped", patched_and_wrapped),
         "loops": variant(class_dir / "loops", append_to_answer("import time\nwhile True:\n    time.sleep(1)")),
         "dies": variant(class_dir / "dies", append_to_answer("import os\nos._exit(0)")),
-        "a_cheat": variant(class_dir / "a_cheat", append_to_answer(
-            f"open('../b_victim/{EXERCISE.name}', 'w').write({solved!r})")),
+        "a_cheat": variant(
+            class_dir / "a_cheat", append_to_answer(f"open('../b_victim/{EXERCISE.name}', 'w').write({solved!r})")
+        ),
         "b_victim": variant(class_dir / "b_victim"),
-        "c_cheat": variant(class_dir / "c_cheat", append_to_answer(  # by its absolute path, this time
-            f"open({str(class_dir / 'b_victim' / EXERCISE.name)!r}, 'w').write({solved!r})")),
-        "wrong": variant(class_dir / "wrong", lambda nb: setattr(nb.cells[3], "source", nb.cells[3].source.replace(
-            "raise NotImplementedError()", "return 16 * n_params"))),
+        "c_cheat": variant(
+            class_dir / "c_cheat",
+            append_to_answer(  # by its absolute path, this time
+                f"open({str(class_dir / 'b_victim' / EXERCISE.name)!r}, 'w').write({solved!r})"
+            ),
+        ),
+        "wrong": variant(
+            class_dir / "wrong",
+            lambda nb: setattr(
+                nb.cells[3], "source", nb.cells[3].source.replace("raise NotImplementedError()", "return 16 * n_params")
+            ),
+        ),
     }
     (class_dir / "stranger").mkdir()
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), class_dir / "stranger" / "x.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), class_dir / "stranger" / "x.ipynb"
+    )
     (class_dir / "corrupt").mkdir()
     (class_dir / "corrupt" / EXERCISE.name).write_text("{ not json")
     before = {path: path.read_bytes() for path in class_dir.rglob("*.ipynb")}
-    result = subprocess.run([COURSE_LIB, "grade", "class", "--csv", "grades.csv", "--timeout", "60", "--jobs", "2"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    result = subprocess.run(
+        [COURSE_LIB, "grade", "class", "--csv", "grades.csv", "--timeout", "60", "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert {path: path.read_bytes() for path in class_dir.rglob("*.ipynb")} == before
     with open(tmp_path / "grades.csv", newline="") as file:
@@ -204,14 +227,19 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
         checks = [row for row in learner_rows if row["exercise"].startswith("Exercise 1.")]
         assert learner in ("stranger", "corrupt") or len(checks) == 2, learner_rows
         assert all(row["result"] == "FAIL" and row["detail"] and "\n" not in row["detail"] for row in learner_rows)
-    reasons = {learner: {row["detail"].split(":")[0].split(" in ")[0] for row in rows
-                         if row["exercise"].startswith("Exercise")} for learner, rows in by_learner.items()}
+    reasons = {
+        learner: {
+            row["detail"].split(":")[0].split(" in ")[0] for row in rows if row["exercise"].startswith("Exercise")
+        }
+        for learner, rows in by_learner.items()
+    }
     assert reasons["loops"] == {"timed out"} and reasons["dies"] == {"kernel died"}, by_learner
     assert all("cell 4 " in row["detail"] for row in by_learner["loops"] + by_learner["dies"])  # the answer cell
     for learner in ("deleted_and_commented", "patched_and_wrapped", "a_cheat", "b_victim"):
         assert reasons[learner] == {"not done yet"}, by_learner[learner]
-    assert reasons["c_cheat"] == {f"it modified a submission (class/b_victim/{EXERCISE.name}) while it was graded "
-                                  "(the file was put back)"}, by_learner["c_cheat"]
+    assert reasons["c_cheat"] == {
+        f"it modified a submission (class/b_victim/{EXERCISE.name}) while it was graded (the file was put back)"
+    }, by_learner["c_cheat"]
     notes = {row["check_cell"] for row in by_learner["deleted_and_commented"] + by_learner["patched_and_wrapped"]}
     assert notes == {"restored: deleted", "restored: edited", ""}
     assert "FileNotFoundError" in " ".join(row["detail"] for row in by_learner["a_cheat"])
@@ -220,23 +248,27 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
     hint = next(row["detail"] for row in by_learner["wrong"] if row["exercise"].startswith("Exercise 1.1"))
     assert "B/param" in hint and not hint.startswith("CheckFailed")
     assert "Traceback" not in result.stdout and "course_lib/" not in result.stdout
-    assert (f"put back class/b_victim/{EXERCISE.name}: class/c_cheat/{EXERCISE.name}'s code changed it"
-            in result.stdout), result.stdout
+    assert (
+        f"put back class/b_victim/{EXERCISE.name}: class/c_cheat/{EXERCISE.name}'s code changed it" in result.stdout
+    ), result.stdout
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--timeout", "0"], "--timeout: must be a finite number above 0, got 0"),
-    (["--timeout", "inf"], "--timeout: must be a finite number above 0, got inf (not a finite number)"),
-    (["--notebook-timeout", "nan"], "--notebook-timeout: must be a finite number above 0, got nan"),
-    (["--jobs", "two"], "--jobs: must be a whole number >= 1, got 'two'"),
-    (["--csv", "g" * 300 + ".csv"], ": cannot write the gradebook there (File name too long)"),
-    (["--junit", "nowhere/report.xml"], "nowhere/report.xml: no folder nowhere to write the gradebook in"),
-    (["--reference", str(ROOT / "exercises")], f"holds {EXERCISE}, a notebook being graded"),
-    (["--csv", "."], ".: a folder; give the gradebook a file name"),
-    (["--reference", "nowhere"], "nowhere: no such folder to take the check cells from"),
-    (["--only-errors"], "--only-errors grades again the ERROR rows of a gradebook: give it with --csv FILE"),
-    (["--only-errors", "--csv", "old.csv"], "old.csv: cannot read the gradebook (No such file or directory)"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--timeout", "0"], "--timeout: must be a finite number above 0, got 0"),
+        (["--timeout", "inf"], "--timeout: must be a finite number above 0, got inf (not a finite number)"),
+        (["--notebook-timeout", "nan"], "--notebook-timeout: must be a finite number above 0, got nan"),
+        (["--jobs", "two"], "--jobs: must be a whole number >= 1, got 'two'"),
+        (["--csv", "g" * 300 + ".csv"], ": cannot write the gradebook there (File name too long)"),
+        (["--junit", "nowhere/report.xml"], "nowhere/report.xml: no folder nowhere to write the gradebook in"),
+        (["--reference", str(ROOT / "exercises")], f"holds {EXERCISE}, a notebook being graded"),
+        (["--csv", "."], ".: a folder; give the gradebook a file name"),
+        (["--reference", "nowhere"], "nowhere: no such folder to take the check cells from"),
+        (["--only-errors"], "--only-errors grades again the ERROR rows of a gradebook: give it with --csv FILE"),
+        (["--only-errors", "--csv", "old.csv"], "old.csv: cannot read the gradebook (No such file or directory)"),
+    ],
+)
 def test_bad_grading_options_are_one_clear_line(tmp_path, args, says):
     result = subprocess.run([COURSE_LIB, "grade", str(EXERCISE), *args], capture_output=True, text=True, cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
@@ -247,25 +279,33 @@ def test_bad_grading_options_are_one_clear_line(tmp_path, args, says):
 def test_a_reference_without_the_exercise_is_the_references_fault_not_the_submissions(tmp_path):
     (tmp_path / "reference").mkdir()
     shutil.copy(ROOT / "solutions" / "00_measuring_memory.ipynb", tmp_path / "reference")
-    result = subprocess.run([COURSE_LIB, "grade", str(EXERCISE), "--reference", "reference"], capture_output=True,
-                            text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [COURSE_LIB, "grade", str(EXERCISE), "--reference", "reference"], capture_output=True, text=True, cwd=tmp_path
+    )
     assert result.returncode == 2 and result.stdout == "", result.stdout
-    assert result.stderr.strip() == (f"course-lib: error: reference: no exercise {EXERCISE.stem} (which {EXERCISE} "
-                                     "is); give --reference a folder with every exercise graded, e.g. the course's "
-                                     "solutions/")
+    assert result.stderr.strip() == (
+        f"course-lib: error: reference: no exercise {EXERCISE.stem} (which {EXERCISE} "
+        "is); give --reference a folder with every exercise graded, e.g. the course's "
+        "solutions/"
+    )
 
 
 # --- the second review's holes: nothing outlives a grade, the reference stays, the right lesson ---------
 
+
 def spawn_detached(pid_file: Path, victim: Path) -> str:
     """Answer-cell code that starts a grandchild in a session of its own, whose parent exits at once: it
     rewrites `victim`, then records its pid and keeps on rewriting it."""
-    child = (f"import os, time\nif os.fork():\n    os._exit(0)\nos.setsid()\n"
-             f"open({str(victim)!r}, 'w').write('rewritten')\nopen({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid()))\n"
-             f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r})\n"
-             f"while True:\n    time.sleep(0.2)\n    open({str(victim)!r}, 'w').write('rewritten')\n")
-    return (f"import os, subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}], "
-            f"start_new_session=True)\nwhile not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.1)")
+    child = (
+        f"import os, time\nif os.fork():\n    os._exit(0)\nos.setsid()\n"
+        f"open({str(victim)!r}, 'w').write('rewritten')\nopen({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid()))\n"
+        f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r})\n"
+        f"while True:\n    time.sleep(0.2)\n    open({str(victim)!r}, 'w').write('rewritten')\n"
+    )
+    return (
+        f"import os, subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}], "
+        f"start_new_session=True)\nwhile not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.1)"
+    )
 
 
 def test_no_hole_of_the_second_review_passes_and_the_honest_solution_still_does(tmp_path):
@@ -282,18 +322,27 @@ def test_no_hole_of_the_second_review_passes_and_the_honest_solution_still_does(
     honest_bytes = victim.read_bytes()
     check_cell = check_cells(exercise())[0]
     variant(class_dir / "detached", append_to_answer(spawn_detached(tmp_path / "pid", victim)))
-    variant(class_dir / "edits_reference", append_to_answer(
-        f"import json\npath = {str(reference / EXERCISE.name)!r}\nnb = json.load(open(path))\n"
-        f"for cell in nb['cells']:\n    if cell.get('id') == {check_cell.id!r}:\n        cell['source'] = 'pass'\n"
-        "json.dump(nb, open(path, 'w'))"))
+    variant(
+        class_dir / "edits_reference",
+        append_to_answer(
+            f"import json\npath = {str(reference / EXERCISE.name)!r}\nnb = json.load(open(path))\n"
+            f"for cell in nb['cells']:\n    if cell.get('id') == {check_cell.id!r}:\n        cell['source'] = 'pass'\n"
+            "json.dump(nb, open(path, 'w'))"
+        ),
+    )
     (class_dir / "wrong_lesson").mkdir()
     lesson_one = nbformat.read(solution, as_version=4)
     lesson_one.metadata[METADATA] = exercise().metadata[METADATA]  # a solved exercise records its lesson
     nbformat.write(lesson_one, class_dir / "wrong_lesson" / "07_the_rest_of_the_toolbox.ipynb")
 
     def run(*args):
-        return subprocess.run([COURSE_LIB, "grade", "class", "--reference", "reference", "--jobs", "1", *args],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=900)
+        return subprocess.run(
+            [COURSE_LIB, "grade", "class", "--reference", "reference", "--jobs", "1", *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=900,
+        )
 
     result = run("--csv", "grades.csv", "--junit", "grades.xml")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -305,22 +354,38 @@ def test_no_hole_of_the_second_review_passes_and_the_honest_solution_still_does(
     with open(tmp_path / "grades.csv", newline="") as file:
         rows = {(row["notebook"].split("/")[1], row["exercise"][:12]): row for row in csv.DictReader(file)}
     results = {key: (row["result"], row["detail"], row["lesson"]) for key, row in rows.items()}
-    wrong = ("the wrong lesson: this is 01_adam_memory's exercise, handed in as lesson 07's; hand in lesson 07's "
-             "exercise (or grade it as what it is with --as-recorded)")
+    wrong = (
+        "the wrong lesson: this is 01_adam_memory's exercise, handed in as lesson 07's; hand in lesson 07's "
+        "exercise (or grade it as what it is with --as-recorded)"
+    )
     assert results == {
-        ("victim", "Exercise 1.1"): ("PASS", "", EXERCISE.stem), ("victim", "Exercise 1.2"): ("PASS", "", EXERCISE.stem),
-        **{("detached", f"Exercise 1.{k}"): (
-            "FAIL", f"it modified a submission (class/victim/{EXERCISE.name}) while it was graded (the file was put "
-            "back)", EXERCISE.stem) for k in (1, 2)},
-        **{("edits_reference", f"Exercise 1.{k}"): (
-            "FAIL", f"it modified the reference (reference/{EXERCISE.name}) while it was graded (the file was put "
-            "back)", EXERCISE.stem) for k in (1, 2)},
+        ("victim", "Exercise 1.1"): ("PASS", "", EXERCISE.stem),
+        ("victim", "Exercise 1.2"): ("PASS", "", EXERCISE.stem),
+        **{
+            ("detached", f"Exercise 1.{k}"): (
+                "FAIL",
+                f"it modified a submission (class/victim/{EXERCISE.name}) while it was graded (the file was put back)",
+                EXERCISE.stem,
+            )
+            for k in (1, 2)
+        },
+        **{
+            ("edits_reference", f"Exercise 1.{k}"): (
+                "FAIL",
+                f"it modified the reference (reference/{EXERCISE.name}) while it was graded (the file was put back)",
+                EXERCISE.stem,
+            )
+            for k in (1, 2)
+        },
         ("wrong_lesson", "(the whole n"): ("FAIL", wrong, ""),
     }
-    assert f"put back reference/{EXERCISE.name}: class/edits_reference/{EXERCISE.name}'s code changed it" in result.stdout
+    assert (
+        f"put back reference/{EXERCISE.name}: class/edits_reference/{EXERCISE.name}'s code changed it" in result.stdout
+    )
     cases = ElementTree.parse(tmp_path / "grades.xml").getroot().iter("testcase")
-    assert sorted((case.get("classname").split("/")[1], case.get("name")[:12], case.find("failure") is None)
-                  for case in cases) == sorted((key[0], key[1], row["result"] == "PASS") for key, row in rows.items())
+    assert sorted(
+        (case.get("classname").split("/")[1], case.get("name")[:12], case.find("failure") is None) for case in cases
+    ) == sorted((key[0], key[1], row["result"] == "PASS") for key, row in rows.items())
 
     (tmp_path / "pid").unlink()
     shutil.rmtree(class_dir / "detached")
@@ -329,8 +394,10 @@ def test_no_hole_of_the_second_review_passes_and_the_honest_solution_still_does(
     assert again.returncode == 0, again.stdout + again.stderr
     with open(tmp_path / "again.csv", newline="") as file:
         lessons = {(row["notebook"], row["result"], row["lesson"]) for row in csv.DictReader(file)}
-    assert lessons == {(f"class/victim/{EXERCISE.name}", "PASS", EXERCISE.stem),
-                       ("class/wrong_lesson/07_the_rest_of_the_toolbox.ipynb", "PASS", EXERCISE.stem)}
+    assert lessons == {
+        (f"class/victim/{EXERCISE.name}", "PASS", EXERCISE.stem),
+        ("class/wrong_lesson/07_the_rest_of_the_toolbox.ipynb", "PASS", EXERCISE.stem),
+    }
 
 
 def test_answers_not_calls_is_seen_on_every_thread_the_answer_starts():
@@ -354,6 +421,7 @@ def test_answers_not_calls_is_seen_on_a_thread_that_was_running_already():
 
 
 # --- a busy machine: a kernel that does not start is the grader's problem, never the learner's FAIL ---
+
 
 @pytest.fixture
 def ports_taken(monkeypatch):
@@ -397,19 +465,23 @@ def two_learners(folder: Path) -> None:
 
 def gradebook(path: Path) -> dict:
     with open(path, newline="") as file:
-        return {(row["notebook"].split("/")[1], row["exercise"][:12]): (row["result"], row["detail"])
-                for row in csv.DictReader(file)}
+        return {
+            (row["notebook"].split("/")[1], row["exercise"][:12]): (row["result"], row["detail"])
+            for row in csv.DictReader(file)
+        }
 
 
 LEARNERS_REAL_RESULTS = {
-    ("ada", "Exercise 1.1"): ("PASS", ""), ("ada", "Exercise 1.2"): ("PASS", ""),
+    ("ada", "Exercise 1.1"): ("PASS", ""),
+    ("ada", "Exercise 1.2"): ("PASS", ""),
     ("bob", "Exercise 1.1"): ("FAIL", "not done yet: the exercise still raises NotImplementedError"),
     ("bob", "Exercise 1.2"): ("FAIL", "not done yet: the exercise still raises NotImplementedError"),
 }
 
 
 def test_a_kernel_that_does_not_start_is_started_again_and_the_learners_real_result_comes_back(
-        tmp_path, monkeypatch, capsys, ports_taken):
+    tmp_path, monkeypatch, capsys, ports_taken
+):
     """ada's kernel loses its port at the first start: she is graded again, alone, after bob."""
     monkeypatch.chdir(tmp_path)
     two_learners(tmp_path / "class")
@@ -422,7 +494,8 @@ def test_a_kernel_that_does_not_start_is_started_again_and_the_learners_real_res
 
 
 def test_a_kernel_that_never_starts_is_an_error_not_a_fail_and_only_errors_grades_it_again(
-        tmp_path, monkeypatch, capsys, ports_taken):
+    tmp_path, monkeypatch, capsys, ports_taken
+):
     """ada's kernel loses its port at both tries: her rows say ERROR (exit 3), bob's are his real FAIL;
     --only-errors then grades ada alone and puts her rows in their place."""
     monkeypatch.chdir(tmp_path)
@@ -441,9 +514,14 @@ def test_a_kernel_that_never_starts_is_an_error_not_a_fail_and_only_errors_grade
     assert (tmp_path / "grades.csv").read_text().splitlines()[3:] == rows[3:]  # bob's rows, as they were
 
 
-@pytest.mark.parametrize("available_gib, jobs, why", [(3.5, 1, "3.5 GiB of memory available, 2 GiB a notebook"),
-                                                      (1, 1, "1.0 GiB of memory available, 2 GiB a notebook"),
-                                                      (10**6, None, "CPU cores")])
+@pytest.mark.parametrize(
+    "available_gib, jobs, why",
+    [
+        (3.5, 1, "3.5 GiB of memory available, 2 GiB a notebook"),
+        (1, 1, "1.0 GiB of memory available, 2 GiB a notebook"),
+        (10**6, None, "CPU cores"),
+    ],
+)
 def test_jobs_default_to_the_cpu_cores_or_the_memory_whichever_binds(monkeypatch, available_gib, jobs, why):
     monkeypatch.setattr(grading.psutil, "virtual_memory", lambda: SimpleNamespace(available=available_gib * 2**30))
     can, because = grading.machine_jobs()
@@ -455,6 +533,7 @@ def test_jobs_default_to_the_cpu_cores_or_the_memory_whichever_binds(monkeypatch
 
 # --- the design card's route: pytest --nbval-lax on an exercise --------------------------------------
 
+
 def test_nbval_lax_on_an_exercise_fails_exactly_at_its_check_cells_and_passes_when_solved(tmp_path):
     """nbval-lax fails a cell only when it raises (no exercise cell compares its output: the markers
     are checked below), so on the unsolved exercise exactly the check cells fail, and on its answers
@@ -465,11 +544,32 @@ def test_nbval_lax_on_an_exercise_fails_exactly_at_its_check_cells_and_passes_wh
             assert "NBVAL_" not in cell.source, f"{notebook.name}: an nbval marker changes what nbval-lax checks"
     shutil.copy(EXERCISE, tmp_path / "unsolved.ipynb")
     shutil.copy(ROOT / "solutions" / EXERCISE.name, tmp_path / "solved.ipynb")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
-                             "--nbval-lax", "--nbval-current-env", "-rA", "-q", "unsolved.ipynb", "solved.ipynb",
-                             "-c", "/dev/null"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    failed = sorted(line.split(" - ")[0].removeprefix("FAILED ") for line in result.stdout.splitlines()
-                    if line.startswith("FAILED"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:xdist",
+            "-p",
+            "no:cacheprovider",
+            "--nbval-lax",
+            "--nbval-current-env",
+            "-rA",
+            "-q",
+            "unsolved.ipynb",
+            "solved.ipynb",
+            "-c",
+            "/dev/null",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    failed = sorted(
+        line.split(" - ")[0].removeprefix("FAILED ") for line in result.stdout.splitlines() if line.startswith("FAILED")
+    )
     code = [cell for cell in nbformat.read(EXERCISE, as_version=4).cells if cell.cell_type == "code"]
     checks = sorted(f"unsolved.ipynb::Cell {n}" for n, cell in enumerate(code) if "checks.check_" in cell.source)
     assert result.returncode == 1 and failed == checks, result.stdout[-3000:]  # solved.ipynb: every cell passed

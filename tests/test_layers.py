@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from course_lib.layers import find_layer_stack, layer_of_each_module
-from course_lib.planner.parallel.fsdp import layer_and_root_numels
 from course_lib.models import build_model, bundled_models, load_config, spec_from_model
+from course_lib.planner.parallel.fsdp import layer_and_root_numels
 
 
 @pytest.mark.parametrize("name", bundled_models())
@@ -59,8 +59,16 @@ def test_the_layers_of_a_mixture_of_experts_not_its_experts():
 def test_mixtral_s_decoder_layers_are_found_not_its_experts():
     from transformers import MixtralConfig
 
-    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=8, num_experts_per_tok=2)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
     with torch.device("meta"):
         from transformers import MixtralForCausalLM
 

@@ -5,8 +5,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib.measure import (AGREE_BYTES, MiB, LiveStorageTracker, StepMemory, format_bytes, measure_step, peak_bytes,
-                                profiler_peak, storage_bytes)
+from course_lib.measure import (
+    AGREE_BYTES,
+    LiveStorageTracker,
+    MiB,
+    StepMemory,
+    format_bytes,
+    measure_step,
+    peak_bytes,
+    profiler_peak,
+    storage_bytes,
+)
 
 
 def mlp(d_in, hidden, d_out=3):
@@ -141,7 +150,9 @@ def test_an_allocation_inside_an_operator_is_in_the_peak_and_said_to_be_unseen_b
     measure_step(layer, optimizer, lambda: layer(x).sum(), inputs=[x])  # the state appears
     report = measure_step(layer, optimizer, lambda: layer(x).sum(), inputs=[x])
     n = 2048 * 2048
-    assert report.phase_peaks["optimizer"] - report.tracked_phase_peaks["optimizer"] == pytest.approx(5 * 4 * n, rel=0.01)
+    assert report.phase_peaks["optimizer"] - report.tracked_phase_peaks["optimizer"] == pytest.approx(
+        5 * 4 * n, rel=0.01
+    )
     assert report.inside_operators == report.peak - report.tracked_peak > 79 * MiB
     assert "inside operators" in str(report)
 

@@ -4,8 +4,8 @@ checkpointing cost model as the one source of truth, the GPU catalog and "what m
 
 import contextlib
 import math
-from dataclasses import replace
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from course_lib import planner
 from course_lib.measure import measure_step, storage_bytes
-from course_lib.planner import PlanError, Setup, nf4_bytes, optimizer_state_bytes, plan
 from course_lib.models import build_model, spec_from_model
+from course_lib.planner import PlanError, Setup, nf4_bytes, optimizer_state_bytes, plan
 from course_lib.toolbox import chunked_causal_lm_loss
 
-shapes = st.lists(st.one_of(st.tuples(st.integers(1, 300)), st.tuples(st.integers(1, 90), st.integers(1, 90))),
-                  min_size=1, max_size=4)
+shapes = st.lists(
+    st.one_of(st.tuples(st.integers(1, 300)), st.tuples(st.integers(1, 90), st.integers(1, 90))), min_size=1, max_size=4
+)
 
 
 def _stepped(make_optimizer, shape_list, dtype=torch.float32):
@@ -36,11 +37,11 @@ def _stepped(make_optimizer, shape_list, dtype=torch.float32):
 
 def _real_state_bytes(make_optimizer, shape_list, dtype=torch.float32):
     _, optimizer = _stepped(make_optimizer, shape_list, dtype)
-    return storage_bytes(v for state in optimizer.state.values() for v in state.values()
-                         if isinstance(v, torch.Tensor))
+    return storage_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 # --- the brief's numbers --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("precision", ["mixed-bf16", "fp32", "mixed-fp16"])
 def test_seven_billion_with_adam_is_112_gb(precision):
@@ -59,8 +60,9 @@ def test_seventy_billion_is_about_1_1_tb():
     assert plan(70e9).total == 1_120_000_000_000
 
 
-@pytest.mark.parametrize("optimizer, per_param", [("sgd", 4), ("momentum", 8), ("adamw", 12), ("lion", 8),
-                                                  ("paged_adamw32bit", 12)])
+@pytest.mark.parametrize(
+    "optimizer, per_param", [("sgd", 4), ("momentum", 8), ("adamw", 12), ("lion", 8), ("paged_adamw32bit", 12)]
+)
 def test_fp32_bytes_per_parameter(optimizer, per_param):
     assert plan(10**6, precision="fp32", optimizer=optimizer).total == per_param * 10**6 + 4 * 10**6
 
@@ -71,6 +73,7 @@ def test_pure_bf16_adam_keeps_state_in_bf16_unless_asked():
 
 
 # --- optimizer state: exact against the real optimizers ------------------------------------------
+
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shapes)
@@ -97,8 +100,11 @@ bnb = pytest.importorskip("bitsandbytes")
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from([(7,), (4095,), (4096,), (4097,), (64, 100), (300, 40), (257, 33)]),
-                min_size=1, max_size=3))
+@given(
+    st.lists(
+        st.sampled_from([(7,), (4095,), (4096,), (4097,), (64, 100), (300, 40), (257, 33)]), min_size=1, max_size=3
+    )
+)
 def test_bitsandbytes_8bit_state_is_exact_with_small_tensor_fallback(shape_list):
     numels = [math.prod(s) for s in shape_list]
     for name, cls in (("adamw8bit", bnb.optim.AdamW8bit), ("paged_adamw8bit", bnb.optim.PagedAdamW8bit)):
@@ -114,15 +120,24 @@ def test_each_state_tensor_of_each_parameter_is_the_real_optimizers(name):
     from transformers.optimization import Adafactor
 
     from course_lib.planner.states.model_states import state_tensor_bytes
-    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-            "adamw": torch.optim.AdamW, "adafactor": lambda p: Adafactor(p, lr=1e-3, relative_step=False),
-            "lion": bnb.optim.Lion, "paged_adamw32bit": bnb.optim.PagedAdamW32bit,
-            "adamw8bit": bnb.optim.AdamW8bit}[name]
+
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adamw": torch.optim.AdamW,
+        "adafactor": lambda p: Adafactor(p, lr=1e-3, relative_step=False),
+        "lion": bnb.optim.Lion,
+        "paged_adamw32bit": bnb.optim.PagedAdamW32bit,
+        "adamw8bit": bnb.optim.AdamW8bit,
+    }[name]
     shape_list = [(64, 100), (5000,), (3, 4, 5), (10,)]  # 8-bit AdamW: 32-bit state below 4096 elements
     params, optimizer = _stepped(make, shape_list)
     for p, shape in zip(params, shape_list):
-        real = sorted(v.untyped_storage().nbytes() for k, v in optimizer.state[p].items()
-                      if isinstance(v, torch.Tensor) and k not in ("step", "qmap1", "qmap2", "RMS"))
+        real = sorted(
+            v.untyped_storage().nbytes()
+            for k, v in optimizer.state[p].items()
+            if isinstance(v, torch.Tensor) and k not in ("step", "qmap1", "qmap2", "RMS")
+        )
         assert real == sorted(state_tensor_bytes(name, shape, 4)), (shape, real)
 
 
@@ -144,8 +159,9 @@ def test_bitsandbytes_32bit_state_is_fp32_even_for_bf16_params(name, cls):
 def test_nf4_bytes_are_exact_against_a_real_quantized_layer(rows, cols, double_quant):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        weight = bnb.nn.Params4bit(torch.randn(rows, cols), requires_grad=False, compress_statistics=double_quant,
-                                   quant_type="nf4")._quantize("cpu")
+        weight = bnb.nn.Params4bit(
+            torch.randn(rows, cols), requires_grad=False, compress_statistics=double_quant, quant_type="nf4"
+        )._quantize("cpu")
     state = weight.quant_state
     meta = [state.absmax, state.code]
     if double_quant:
@@ -155,16 +171,25 @@ def test_nf4_bytes_are_exact_against_a_real_quantized_layer(rows, cols, double_q
 
 # --- activations and peaks: against measured training steps -------------------------------------
 
+
 def _tiny_llama(tied: bool = False):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model("llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,
-                                num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
-                                tie_word_embeddings=tied)
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        tie_word_embeddings=tied,
+    )
 
 
-def _tiny_llama_step(setup: Setup, make_optimizer=torch.optim.AdamW, first_step=contextlib.nullcontext,
-                     tied: bool = False):
+def _tiny_llama_step(
+    setup: Setup, make_optimizer=torch.optim.AdamW, first_step=contextlib.nullcontext, tied: bool = False
+):
     """A seeded tiny Llama on the CPU trained as `setup` says (checkpointing, autocast for amp-*), its
     step 2 measured (step 1 makes the optimizer state, under `first_step(model)`) and the plan of the same
     setup: (model, measured, predicted)."""
@@ -222,8 +247,10 @@ def test_peft_lora_dropout_is_planned_within_2_percent_of_the_measured_step():
     peaks = {}
     for dropout in (0.0, 0.1):
         torch.manual_seed(0)
-        model = get_peft_model(build_model(config, "cpu"), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                                                                       lora_dropout=dropout))
+        model = get_peft_model(
+            build_model(config, "cpu"),
+            LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=dropout),
+        )
         model.train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
@@ -279,10 +306,22 @@ def test_a_dropout_keeps_a_one_byte_mask_on_cuda_and_noise_of_the_inputs_dtype_o
     from course_lib.planner.trace.step import _trace
 
     def saved(p: float, target: str) -> int:
-        config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64,
-                                      resid_pdrop=p, embd_pdrop=p, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        trace = _trace(spec_from_model(build_model(config), "tiny-gpt2", config), Setup(precision="fp32", batch=2,
-                                                                                        seq=32), target)
+        config = AutoConfig.for_model(
+            "gpt2",
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=512,
+            n_positions=64,
+            resid_pdrop=p,
+            embd_pdrop=p,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        trace = _trace(
+            spec_from_model(build_model(config), "tiny-gpt2", config), Setup(precision="fp32", batch=2, seq=32), target
+        )
         return sum(trace.saved) + trace.saved_outside
 
     elements = (2 * 2 + 1) * 2 * 32 * 64  # two residual dropouts a layer and one after the embeddings
@@ -300,11 +339,16 @@ def test_lora_trains_few_parameters_and_qlora_stores_half_a_byte():
     lora = plan("llama-3.2-1b", precision="bf16", lora_rank=16, batch=1, seq=256)
     assert lora.trainable_params < 0.02 * lora.n_params
     assert lora.detail["all_gradients"] == 4 * lora.trainable_params  # fp32 adapters
-    assert lora.bytes["gradients"] == 0 and lora.detail["peak_phase"] == "head backward"  # its peak, in the head's backward, comes before any adapter's gradient
+    assert (
+        lora.bytes["gradients"] == 0 and lora.detail["peak_phase"] == "head backward"
+    )  # its peak, in the head's backward, comes before any adapter's gradient
     qlora = plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4-dq", batch=1, seq=256)
     assert qlora.bytes["weights"] < 0.6 * lora.bytes["weights"]
-    assert 0 < qlora.bytes["quantization"] < plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4",
-                                                    batch=1, seq=256).bytes["quantization"]
+    assert (
+        0
+        < qlora.bytes["quantization"]
+        < plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4", batch=1, seq=256).bytes["quantization"]
+    )
 
 
 def test_korthikanti_formula():
@@ -312,6 +356,7 @@ def test_korthikanti_formula():
 
 
 # --- GPUs, verdicts, tricks -----------------------------------------------------------------------
+
 
 def test_catalog_has_the_required_gpus_and_the_t4_shows_15_gib():
     for name in ("t4", "l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "rtx3090", "rtx4090"):
@@ -330,9 +375,14 @@ def test_gpu_target_adds_the_cuda_context_and_a_verdict():
     assert "fits on T4" in result.verdict()
 
 
-@pytest.mark.parametrize("options", [dict(precision="mixed-fp16", batch=4, seq=1024),
-                                     dict(precision="mixed-fp16", batch=2, seq=1024),
-                                     dict(precision="mixed-fp16", batch=16, seq=512)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(precision="mixed-fp16", batch=4, seq=1024),
+        dict(precision="mixed-fp16", batch=2, seq=1024),
+        dict(precision="mixed-fp16", batch=16, seq=512),
+    ],
+)
 def test_what_makes_it_fit_keeps_only_the_tricks_the_final_setup_needs(options):
     model = "llama-3.2-1b" if options["batch"] == 4 else "llama-3.1-8b"
     result = plan(model, gpu="t4", **options)
@@ -343,8 +393,9 @@ def test_what_makes_it_fit_keeps_only_the_tricks_the_final_setup_needs(options):
     for trick in result.tricks:  # pruned: without any one of them the final setup does not fit (or is refused)
         assert trick.saves is None or final.total + trick.saves > final.gpu.memory_bytes
     qlora = any(t.name.startswith("QLoRA") for t in result.tricks)  # only LoRA under QLoRA cannot go alone
-    assert [t.name for t in result.tricks if t.saves is None] == [t.name for t in result.tricks
-                                                                  if qlora and t.name.startswith("LoRA")]
+    assert [t.name for t in result.tricks if t.saves is None] == [
+        t.name for t in result.tricks if qlora and t.name.startswith("LoRA")
+    ]
 
 
 def test_what_makes_it_fit_tries_exact_tricks_before_lossy_ones_and_prunes_what_a_later_one_made_unneeded():
@@ -354,8 +405,12 @@ def test_what_makes_it_fit_tries_exact_tricks_before_lossy_ones_and_prunes_what_
     names = [t.name for t in result.tricks]
     assert not any("accumulation" in name for name in names) and result.tricks[-1].setup.batch == 2
     assert "activation checkpointing (every layer)" in names and names[-1].startswith("QLoRA")
-    candidates = [name for name, _, exact in planner.search.fit._candidate_tricks(Setup(precision="mixed-fp16", batch=2),
-                                                                         planner.get_gpu("t4"))]
+    candidates = [
+        name
+        for name, _, exact in planner.search.fit._candidate_tricks(
+            Setup(precision="mixed-fp16", batch=2), planner.get_gpu("t4")
+        )
+    ]
     lossy_from = candidates.index("8-bit AdamW (bitsandbytes)")
     assert all(name.startswith(("8-bit", "LoRA", "QLoRA")) for name in candidates[lossy_from:])
     assert "fused AdamW (fused=True, the Trainer's adamw_torch_fused)" in candidates[:lossy_from]
@@ -418,16 +473,19 @@ def test_an_embedding_the_trainer_keeps_in_32_bits_takes_bitsandbytes_32_bit_cpu
     assert abs(predicted.total - measured.peak) <= 0.01 * measured.peak
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(batch=0), "batch must be a whole number >= 1, got 0"),
-    (dict(seq=-3), "seq must be a whole number >= 1, got -3"),
-    (dict(precision="fp8"), "unknown precision"),
-    (dict(optimizer="adam"), "unknown optimizer"),
-    (dict(quant="nf4"), "--lora-rank"),
-    (dict(quant="nf4", lora_rank=8, precision="mixed-bf16"), "no fp32"),
-    (dict(checkpointing="every-0"), "K in every-K"),
-    (dict(checkpointing="half"), "unknown checkpointing plan"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(batch=0), "batch must be a whole number >= 1, got 0"),
+        (dict(seq=-3), "seq must be a whole number >= 1, got -3"),
+        (dict(precision="fp8"), "unknown precision"),
+        (dict(optimizer="adam"), "unknown optimizer"),
+        (dict(quant="nf4"), "--lora-rank"),
+        (dict(quant="nf4", lora_rank=8, precision="mixed-bf16"), "no fp32"),
+        (dict(checkpointing="every-0"), "K in every-K"),
+        (dict(checkpointing="half"), "unknown checkpointing plan"),
+    ],
+)
 def test_bad_setups_are_refused_with_a_reason(options, message):
     with pytest.raises(PlanError, match=message):
         plan("gpt2", **options)
@@ -455,8 +513,15 @@ def test_optimizer_temporaries_are_their_own_category_and_prepare_kbit_costs_mem
     eight = plan("gpt2", replace(setup, optimizer="adamw8bit"), gpu="A100-80GB")
     assert foreach.bytes["optimizer_temporaries"] > 0 and eight.bytes["optimizer_temporaries"] == 0
     assert sum(foreach.bytes[c] for c in planner.CATEGORIES if c != "total") == foreach.total
-    qlora = dict(precision="fp16", lora_rank=16, quant="nf4-dq", batch=1, seq=128, checkpointing="every-layer",
-                 optimizer="adamw8bit")
+    qlora = dict(
+        precision="fp16",
+        lora_rank=16,
+        quant="nf4-dq",
+        batch=1,
+        seq=128,
+        checkpointing="every-layer",
+        optimizer="adamw8bit",
+    )
     plain = plan("llama-3.2-1b", gpu="t4", prepare_kbit=False, **qlora)
     prepared = plan("llama-3.2-1b", gpu="t4", prepare_kbit=True, **qlora)
     assert prepared.total > plain.total and prepared.detail["autocast_copies"] > 0 == plain.detail["autocast_copies"]
@@ -464,28 +529,38 @@ def test_optimizer_temporaries_are_their_own_category_and_prepare_kbit_costs_mem
     assert "prepare_model_for_kbit_training" in trick.name and trick.setup.prepare_kbit
 
 
-
 # --- the Trainer's mixed precision (amp-*): fp32 weights and gradients, torch.autocast ------------
+
 
 def _autocast_cases():
     """(name, call) pairs: each call takes (x, w, y) (x, w fp32, y bf16) and returns one tensor."""
     F = torch.nn.functional
     target = torch.zeros(4, dtype=torch.long)
     return [
-        ("linear", lambda x, w, y: F.linear(x, w)), ("matmul", lambda x, w, y: torch.matmul(x, w.T)),
-        ("@", lambda x, w, y: x @ w.T), ("mm", lambda x, w, y: x.mm(w.T)),
+        ("linear", lambda x, w, y: F.linear(x, w)),
+        ("matmul", lambda x, w, y: torch.matmul(x, w.T)),
+        ("@", lambda x, w, y: x @ w.T),
+        ("mm", lambda x, w, y: x.mm(w.T)),
         ("bmm", lambda x, w, y: torch.bmm(x[None], w.T[None])),
         ("addmm", lambda x, w, y: torch.addmm(w[:, 0], x, w.T)),
         ("baddbmm", lambda x, w, y: torch.baddbmm(w[None, :4, :6], x[None], w.T[None])),
         ("conv1d", lambda x, w, y: F.conv1d(x[None], w[:, :4, None])),
         ("sdpa", lambda x, w, y: F.scaled_dot_product_attention(x[None], x[None], x[None])),
         ("cross_entropy", lambda x, w, y: F.cross_entropy(y, target.to(y.device))),
-        ("mse_loss", lambda x, w, y: F.mse_loss(y, y)), ("prod", lambda x, w, y: torch.prod(y)),
-        ("pow", lambda x, w, y: torch.pow(y, 2)), ("**", lambda x, w, y: y ** 2), ("rsqrt", lambda x, w, y: y.rsqrt()),
-        ("softmax", lambda x, w, y: F.softmax(y, -1)), ("layer_norm", lambda x, w, y: F.layer_norm(y, (8,))),
-        ("silu", lambda x, w, y: F.silu(y)), ("tanh", lambda x, w, y: torch.tanh(y)), ("sum", lambda x, w, y: y.sum()),
-        ("exp", lambda x, w, y: y.exp()), ("embedding", lambda x, w, y: F.embedding(target.to(x.device), x)),
-        ("cat same", lambda x, w, y: torch.cat([y, y])), ("cat mixed", lambda x, w, y: torch.cat([x, y])),
+        ("mse_loss", lambda x, w, y: F.mse_loss(y, y)),
+        ("prod", lambda x, w, y: torch.prod(y)),
+        ("pow", lambda x, w, y: torch.pow(y, 2)),
+        ("**", lambda x, w, y: y**2),
+        ("rsqrt", lambda x, w, y: y.rsqrt()),
+        ("softmax", lambda x, w, y: F.softmax(y, -1)),
+        ("layer_norm", lambda x, w, y: F.layer_norm(y, (8,))),
+        ("silu", lambda x, w, y: F.silu(y)),
+        ("tanh", lambda x, w, y: torch.tanh(y)),
+        ("sum", lambda x, w, y: y.sum()),
+        ("exp", lambda x, w, y: y.exp()),
+        ("embedding", lambda x, w, y: F.embedding(target.to(x.device), x)),
+        ("cat same", lambda x, w, y: torch.cat([y, y])),
+        ("cat mixed", lambda x, w, y: torch.cat([x, y])),
         ("add mixed", lambda x, w, y: x + y),
     ]
 
@@ -498,8 +573,11 @@ def test_meta_autocast_casts_each_op_as_cpu_autocast_does(dtype):
 
     def inputs(device):
         torch.manual_seed(0)
-        return (torch.randn(4, 8, device=device), torch.randn(6, 8, device=device),
-                torch.randn(4, 8, device=device).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float16))
+        return (
+            torch.randn(4, 8, device=device),
+            torch.randn(6, 8, device=device),
+            torch.randn(4, 8, device=device).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float16),
+        )
 
     real = {}
     for name, call in _autocast_cases():
@@ -535,7 +613,10 @@ def test_amp_keeps_fp32_weights_gradients_and_state_and_no_master_copy():
     assert (amp["weights"], amp["gradients"], amp["optimizer_state"], amp["master_weights"]) == (4000, 4000, 8000, 0)
     assert (mixed["weights"], mixed["gradients"], mixed["master_weights"]) == (2000, 2000, 4000)
     assert Setup(precision="amp-fp16").weight_dtype == torch.float32 == Setup(precision="amp-bf16").weight_dtype
-    assert Setup(precision="amp-fp16").autocast_dtype == torch.float16 and Setup(precision="mixed-bf16").autocast_dtype is None
+    assert (
+        Setup(precision="amp-fp16").autocast_dtype == torch.float16
+        and Setup(precision="mixed-bf16").autocast_dtype is None
+    )
 
 
 def test_amp_trace_caches_a_16_bit_copy_of_every_linear_weight():
@@ -544,9 +625,12 @@ def test_amp_trace_caches_a_16_bit_copy_of_every_linear_weight():
     config = _tiny_llama()
     spec = spec_from_model(build_model(config), "tiny-llama", config)
     trace = planner.trace_step(spec, Setup(precision="amp-bf16", batch=2, seq=96))
-    assert sum(trace.autocast_cached) + trace.autocast_cached_outside == \
-        2 * sum(p.numel for p in spec.params if p.module == "linear")
-    assert len(set(trace.autocast_cached)) == 1 and trace.autocast_cached_outside > 0  # each layer's, the output layer's
+    assert sum(trace.autocast_cached) + trace.autocast_cached_outside == 2 * sum(
+        p.numel for p in spec.params if p.module == "linear"
+    )
+    assert (
+        len(set(trace.autocast_cached)) == 1 and trace.autocast_cached_outside > 0
+    )  # each layer's, the output layer's
 
 
 @pytest.mark.parametrize("precision", ["amp-bf16", "amp-fp16"])
@@ -558,8 +642,10 @@ def test_a_chunked_loss_under_autocast_is_planned_within_2_percent_of_the_measur
     assert abs(predicted.total - measured.peak) <= 0.02 * measured.peak, (predicted.total, measured.peak)
 
 
-@pytest.mark.parametrize("precision, checkpointing", [("amp-bf16", "none"), ("amp-bf16", "every-layer"),
-                                                      ("amp-fp16", "none"), ("amp-fp16", "every-layer")])
+@pytest.mark.parametrize(
+    "precision, checkpointing",
+    [("amp-bf16", "none"), ("amp-bf16", "every-layer"), ("amp-fp16", "none"), ("amp-fp16", "every-layer")],
+)
 def test_amp_plan_matches_a_measured_autocast_step_within_2_percent(precision, checkpointing):
     """fp32 weights and AdamW, the forward under torch.autocast("cpu"), as the Trainer runs bf16=True."""
     setup = Setup(precision=precision, optimizer="adamw", batch=2, seq=96, checkpointing=checkpointing)
@@ -576,10 +662,13 @@ def test_amp_plan_matches_a_measured_autocast_step_within_2_percent(precision, c
     assert fp32.detail["forward_peak"] != predicted.detail["forward_peak"]  # autocast changes the activations
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(precision="amp-bf16", quant="nf4", lora_rank=8), "compute dtype; use --precision bf16"),
-    (dict(precision="amp-bf16", gpus=2), "plan autocast on one GPU"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(precision="amp-bf16", quant="nf4", lora_rank=8), "compute dtype; use --precision bf16"),
+        (dict(precision="amp-bf16", gpus=2), "plan autocast on one GPU"),
+    ],
+)
 def test_amp_setups_the_planner_does_not_model_are_refused(options, message):
     with pytest.raises(PlanError, match=message):
         plan("gpt2", **options)
@@ -587,8 +676,9 @@ def test_amp_setups_the_planner_does_not_model_are_refused(options, message):
         plan(1000, precision="amp-bf16", gpu="t4")
 
 
-@pytest.mark.parametrize("precision, per_param", [("mixed-bf16-fp32grads", (2, 4, 8, 4)),
-                                                  ("mixed-fp16-fp32grads", (2, 6, 8, 4))])
+@pytest.mark.parametrize(
+    "precision, per_param", [("mixed-bf16-fp32grads", (2, 4, 8, 4)), ("mixed-fp16-fp32grads", (2, 6, 8, 4))]
+)
 def test_megatrons_main_gradient_recipes_are_its_18_and_20_bytes(precision, per_param):
     """Megatron Core's distributed-optimizer table, non-distributed: bf16 + fp32 grads 18, fp16 20 (lesson 1)."""
     b = plan(1000, precision=precision).bytes
@@ -601,12 +691,14 @@ def test_megatrons_main_gradient_recipes_are_its_18_and_20_bytes(precision, per_
 def test_transformers_adafactor_keeps_fp32_state_for_16_bit_adapters_too():
     """transformers' Adafactor keeps its statistics in fp32 whatever the parameter's dtype, as the full
     fine-tune plans it: bf16 adapters (peft's autocast_adapter_dtype=False) get the same state as fp32 ones."""
-    from course_lib.planner.states.model_states import model_states
     from course_lib.models import model_spec
+    from course_lib.planner.states.model_states import model_states
 
     spec = model_spec("llama-3.2-1b")
-    fp32, bf16 = (model_states(spec, Setup(precision="bf16", lora_rank=8, optimizer="adafactor",
-                                           autocast_adapter_dtype=autocast)) for autocast in (True, False))
+    fp32, bf16 = (
+        model_states(spec, Setup(precision="bf16", lora_rank=8, optimizer="adafactor", autocast_adapter_dtype=autocast))
+        for autocast in (True, False)
+    )
     assert bf16.state_itemsize == fp32.state_itemsize == 4
     assert bf16.optimizer_state == fp32.optimizer_state
     assert bf16.weights < fp32.weights  # the adapters themselves are bf16

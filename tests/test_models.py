@@ -5,10 +5,22 @@ import json
 import pytest
 
 from course_lib import models
-from course_lib.models import ModelNotFound, PUBLISHED_PARAMETERS, bundled_models, count_parameters, model_spec
+from course_lib.models import PUBLISHED_PARAMETERS, ModelNotFound, bundled_models, count_parameters, model_spec
 
-REQUIRED = ["gpt2", "gpt2-medium", "llama-3.2-1b", "llama-3.2-3b", "llama-2-7b", "llama-3.1-8b", "mistral-7b",
-            "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "phi-3-mini", "gemma-2-2b"]
+REQUIRED = [
+    "gpt2",
+    "gpt2-medium",
+    "llama-3.2-1b",
+    "llama-3.2-3b",
+    "llama-2-7b",
+    "llama-3.1-8b",
+    "mistral-7b",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
+    "qwen2.5-7b",
+    "phi-3-mini",
+    "gemma-2-2b",
+]
 
 
 def test_every_required_model_is_bundled_with_a_published_count_and_hub_id():
@@ -61,12 +73,15 @@ def test_local_config_file_and_folder(tmp_path):
     assert count_parameters(tmp_path) == expected
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "must hold a JSON object"),
-    ('{"hidden_size": 8}', "no \"model_type\""),
-    ('{"model_type": "no-such-architecture"}', 'unknown "model_type" \'no-such-architecture\''),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        ('{"hidden_size": 8}', 'no "model_type"'),
+        ('{"model_type": "no-such-architecture"}', "unknown \"model_type\" 'no-such-architecture'"),
+    ],
+)
 def test_malformed_config_says_what_is_wrong(tmp_path, content, message):
     path = tmp_path / "config.json"
     path.write_text(content)

@@ -23,15 +23,15 @@ from course_lib.checks import CheckFailed
 from course_lib.grading.restore import identify
 from course_lib.measure import LiveStorageTracker, MiB
 from course_lib.planner import GPUS, plan
-from course_lib.planner.search.fit import _candidate_tricks
 from course_lib.planner.config.setup import Setup
 from course_lib.planner.parallel.sharded import PARTITIONED, zero1_partition
+from course_lib.planner.search.fit import _candidate_tricks
 from course_lib.qlora.recipe import Recipe, RecipeError
 from course_lib.toolbox.activation_offload import transfer_seconds
 from course_lib.toolbox.chunked_loss import chunked_cross_entropy
 
-
 # --- a state that starts wrong but ends right: every phase's peak starts from the bytes live then ---
+
 
 def test_every_phase_s_peak_starts_from_the_bytes_live_when_it_begins():
     kept = torch.ones(1000)  # 4000 bytes, alive before the region
@@ -62,6 +62,7 @@ def test_the_allocator_events_start_each_phase_from_the_bytes_live_then():
 
 
 # --- thresholds tested on both sides ---
+
 
 def test_the_density_prefetcher_grows_only_when_strictly_more_than_the_threshold_is_resident():
     # two 64 KB pages, both missing: after the first fault half the block is resident
@@ -123,6 +124,7 @@ def test_the_sqrt_plan_rounds_the_square_root_to_the_nearest_whole_number_of_seg
 
 # --- engines compared with the real engine ---
 
+
 def zero1_shares(numels: list[int], n: int) -> list[int]:
     """The elements each rank owns under the planner's zero1 partition."""
     return [sum(math.prod(shape) for shape in part) for part in zero1_partition([(k,) for k in numels], n)]
@@ -151,6 +153,7 @@ def test_zero1_shares_break_ties_as_torch_does():
 
 # --- exact assertions where the code is exact ---
 
+
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_each_partitioned_category_is_the_single_gpu_bytes_divided_and_rounded_up(stage):
     n_params, gpus = 1_000_003, 3
@@ -170,6 +173,7 @@ def test_the_planner_counts_the_int64_input_ids_and_labels_to_the_byte():
 
 
 # --- a dtype path tested without the mechanism that would hide it (no autocast) ---
+
 
 class _FixedLogits(torch.nn.Module):
     def __init__(self, logits):
@@ -205,10 +209,15 @@ def test_the_chunked_loss_upcasts_bf16_logits_itself():
 
 # --- every exercise check fed plausible wrong answers ---
 
-@pytest.mark.parametrize("trace_for", [
-    lambda capacity: list(range(capacity + 1)) * 3,  # a cycle one chunk too long: both thrash alike
-    lambda capacity: list(range(capacity)) * 2,  # everything fits: both migrate nothing
-], ids=["cycle", "fits"])
+
+@pytest.mark.parametrize(
+    "trace_for",
+    [
+        lambda capacity: list(range(capacity + 1)) * 3,  # a cycle one chunk too long: both thrash alike
+        lambda capacity: list(range(capacity)) * 2,  # everything fits: both migrate nothing
+    ],
+    ids=["cycle", "fits"],
+)
 def test_exercise_4_3_refuses_a_trace_where_allocation_order_only_ties(trace_for):
     with pytest.raises(CheckFailed, match="allocation order migrates"):
         checks.check_allocation_order_wins(trace_for)
@@ -235,8 +244,9 @@ def _lru_and_allocation(accesses, capacity, policy):
 def test_exercise_4_1_accepts_the_right_policies_and_refuses_a_first_touch_counted_as_a_migration():
     checks.check_migrated_bytes(_lru_and_allocation)
     with pytest.raises(CheckFailed, match="first access of each chunk as a migration"):
-        checks.check_migrated_bytes(lambda a, c, p: (_lru_and_allocation(a, c, p)[0] + 2 * MiB * len(set(a)),
-                                                     _lru_and_allocation(a, c, p)[1]))
+        checks.check_migrated_bytes(
+            lambda a, c, p: (_lru_and_allocation(a, c, p)[0] + 2 * MiB * len(set(a)), _lru_and_allocation(a, c, p)[1])
+        )
 
 
 def test_exercise_4_2_refuses_mru_answered_as_lru_or_evicting_the_chunk_brought_in():
@@ -322,23 +332,27 @@ def _reentrant(layers, x, plan):
     i, starts = 0, dict(plan)
     while i < len(layers):
         if i in starts:
-            segment = torch.nn.Sequential(*layers[i:starts[i]])
+            segment = torch.nn.Sequential(*layers[i : starts[i]])
             x, i = checkpoint(segment, x, use_reentrant=True), starts[i]
         else:
             x, i = layers[i](x), i + 1
     return x
 
 
-@pytest.mark.parametrize("answer, hint", [
-    (_no_checkpoint, "Nothing was recomputed"),
-    (_reentrant, "use_reentrant=False"),
-])
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_no_checkpoint, "Nothing was recomputed"),
+        (_reentrant, "use_reentrant=False"),
+    ],
+)
 def test_exercise_3_1_fails_plausible_wrong_answers_with_their_hint(answer, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_checkpointed_forward(answer)
 
 
 # --- grading: a tie in shared cell ids identifies nothing ---
+
 
 def test_a_submission_sharing_as_many_cell_ids_with_two_exercises_is_identified_as_neither():
     def notebook(*ids):
@@ -352,6 +366,7 @@ def test_a_submission_sharing_as_many_cell_ids_with_two_exercises_is_identified_
 
 
 # --- the layer finder: of two outermost stacks, the longer ---
+
 
 def test_the_longer_of_two_outermost_stacks_is_the_layer_stack():
     from course_lib.layers import find_layer_stack

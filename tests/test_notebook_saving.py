@@ -23,12 +23,12 @@ def _save_cases():
         yield pytest.param(path, id=path.as_posix())
 
 
-
-
 @pytest.mark.parametrize("path", list(_save_cases()))
 def test_open_and_save_in_jupyterlab_changes_nothing(path):
     text = (ROOT / path).read_text()
-    assert as_jupyterlab_saves(text) == text, f"{path}: run `course-lib kernelspec` (notebooks as JupyterLab saves them)"
+    assert as_jupyterlab_saves(text) == text, (
+        f"{path}: run `course-lib kernelspec` (notebooks as JupyterLab saves them)"
+    )
 
 
 @pytest.mark.parametrize("path", ALL, ids=str)
@@ -41,17 +41,20 @@ def test_saved_widget_state_holds_exactly_the_models_shown(path):
 def test_the_normaliser_merges_streams_drops_stale_widgets_and_writes_numbers_as_javascript():
     notebook = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("print(1); print(2)", execution_count=1)
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n"),
-                    nbformat.v4.new_output("stream", name="stdout", text="2\n")]
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text="1\n"),
+        nbformat.v4.new_output("stream", name="stdout", text="2\n"),
+    ]
     notebook.cells = [cell]
-    notebook.metadata["widgets"] = {WIDGET_STATE: {"state": {"stale": {"state": {"max": 3.0}}},
-                                                   "version_major": 2, "version_minor": 0}}
+    notebook.metadata["widgets"] = {
+        WIDGET_STATE: {"state": {"stale": {"state": {"max": 3.0}}}, "version_major": 2, "version_minor": 0}
+    }
     saved = json.loads(as_jupyterlab_saves(nbformat.writes(notebook)))
     assert [o["text"] for o in saved["cells"][0]["outputs"]] == [["1\n", "2\n"]]
     assert "widgets" not in saved["metadata"]
-    assert json.loads(as_jupyterlab_saves('{"cells": [], "metadata": {"x": 3.0, "y": 0.5}, "nbformat": 4, '
-                                          '"nbformat_minor": 5}'))["metadata"] | {"kernelspec": None} \
-        == {"x": 3, "y": 0.5, "kernelspec": None}
+    assert json.loads(
+        as_jupyterlab_saves('{"cells": [], "metadata": {"x": 3.0, "y": 0.5}, "nbformat": 4, "nbformat_minor": 5}')
+    )["metadata"] | {"kernelspec": None} == {"x": 3, "y": 0.5, "kernelspec": None}
 
 
 @pytest.mark.parametrize("path", EXECUTED, ids=str)
@@ -59,8 +62,13 @@ def test_no_text_output_is_wider_than_a_laptops_notebook_column(path):
     wide = []
     for index, cell in enumerate(nbformat.read(ROOT / path, as_version=4).cells):
         for output in cell.get("outputs", []):
-            text = output.get("text", "") if output.output_type == "stream" else output.get("data", {}).get(
-                "text/plain", "") if "text/html" not in output.get("data", {}) else ""
+            text = (
+                output.get("text", "")
+                if output.output_type == "stream"
+                else output.get("data", {}).get("text/plain", "")
+                if "text/html" not in output.get("data", {})
+                else ""
+            )
             width = max((len(line) for line in text.splitlines()), default=0)
             if width > WIDTH:
                 wide.append(f"cell {index}: {width} characters")

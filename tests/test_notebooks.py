@@ -14,8 +14,9 @@ import torch
 from course_lib.course import SETUP_CELL, colab_badge
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions", "exercises")
-                   for p in (ROOT / folder).glob("*.ipynb"))
+NOTEBOOKS = sorted(
+    p.relative_to(ROOT) for folder in ("notebooks", "solutions", "exercises") for p in (ROOT / folder).glob("*.ipynb")
+)
 MARKER = re.compile(r"NBVAL_\w+")
 
 
@@ -43,7 +44,8 @@ def test_markers_stand_on_their_own_line(path):
                 assert re.fullmatch(r"# NBVAL_(CHECK_OUTPUT|SKIP|IGNORE_OUTPUT)", line.strip()), line
             if "%%gpu_only" in line:
                 assert number == 0 and len(line.split()) > 1, (
-                    "%%gpu_only goes on the first line, followed by what a GPU would show")
+                    "%%gpu_only goes on the first line, followed by what a GPU would show"
+                )
 
 
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.parts[0] != "exercises"], ids=str)

@@ -16,7 +16,8 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 REQUIREMENTS = [Requirement(r) for r in PROJECT["dependencies"]] + [
-    Requirement(r) for extra in PROJECT["optional-dependencies"].values() for r in extra]
+    Requirement(r) for extra in PROJECT["optional-dependencies"].values() for r in extra
+]
 CONDA_NAMES = {"torch": "pytorch"}  # conda-forge's name where it differs from PyPI's
 
 # Google Colab's preinstalled stack (docs/references.md, "Google Colab GPU runtime") and this machine's pinned torch.
@@ -54,7 +55,9 @@ def test_the_floors_run_pins_the_lowest_versions_the_ranges_admit():
     requirements = by_name()
     for name in ("transformers", "accelerate", "peft"):
         floors = [Version(s.version) for s in requirements[name].specifier if s.operator == ">="]
-        assert floors == [Version(pins[name])], f"constraints-floors.txt pins {name} {pins[name]}, not its floor {floors}"
+        assert floors == [Version(pins[name])], (
+            f"constraints-floors.txt pins {name} {pins[name]}, not its floor {floors}"
+        )
         assert pins[name] == COLAB[name]
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^test: .*\n(\t.*\n)*\t\$\(MAKE\) test-floors$", makefile, re.MULTILINE)
@@ -83,10 +86,27 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
 
 def test_the_wheel_colab_installs_carries_every_module_and_config(tmp_path):
     """Colab installs course_lib from git as a wheel, not in editable mode: nothing may be left out."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("course_lib-*.whl"))
     packed = set(zipfile.ZipFile(wheel).namelist())
-    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "course_lib").rglob("*")
-              if p.suffix in (".py", ".json") and "__pycache__" not in p.parts}
+    source = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "course_lib").rglob("*")
+        if p.suffix in (".py", ".json") and "__pycache__" not in p.parts
+    }
     assert source and source <= packed, sorted(source - packed)

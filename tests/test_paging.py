@@ -22,9 +22,10 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 # ---- an independent reference for chunk traces --------------------------------------------------
 
+
 def reference_migrations(accesses, capacity, policy):
     """Bytes in and out of 2 MiB chunks, written the simple way: the oracle for the simulator."""
-    resident: OrderedDict[int, None] = OrderedDict()   # head = next victim for allocation / LRU
+    resident: OrderedDict[int, None] = OrderedDict()  # head = next victim for allocation / LRU
     seen, bytes_in, bytes_out = set(), 0, 0
     for chunk in accesses:
         if chunk in resident:
@@ -53,7 +54,7 @@ def test_chunk_traces_match_the_reference(accesses, capacity, policy):
 def test_cyclic_access_moves_everything_under_allocation_order_and_lru_but_not_mru():
     cycle = list(range(10)) * 5
     moved = {policy: pg.chunk_migrations(cycle, 8, policy)[0] for policy in pg.EVICTION_POLICIES}
-    assert moved["allocation"] == moved["lru"] == 40 * 2 * MiB   # every re-access misses
+    assert moved["allocation"] == moved["lru"] == 40 * 2 * MiB  # every re-access misses
     assert moved["mru"] < moved["lru"] / 3
 
 
@@ -66,18 +67,28 @@ def test_allocation_order_and_lru_differ_when_a_chunk_is_reused():
 
 # ---- conservation ------------------------------------------------------------------------------
 
+
 def small_setup(layers: int, hidden: int, optimizer: str = "paged_adamw_32bit", act: int = 0) -> pg.TrainingSetup:
-    return pg.TrainingSetup(tuple(pg.transformer_params(layers, hidden, 1000)), optimizer,
-                            activation_bytes_per_token=act)
+    return pg.TrainingSetup(
+        tuple(pg.transformer_params(layers, hidden, 1000)), optimizer, activation_bytes_per_token=act
+    )
 
 
-setups_st = st.builds(small_setup, layers=st.integers(1, 4), hidden=st.sampled_from([128, 192, 256]),
-                      optimizer=st.sampled_from(["paged_adamw_32bit", "paged_adamw_8bit"]),
-                      act=st.sampled_from([0, 4 * KiB, 64 * KiB]))
+setups_st = st.builds(
+    small_setup,
+    layers=st.integers(1, 4),
+    hidden=st.sampled_from([128, 192, 256]),
+    optimizer=st.sampled_from(["paged_adamw_32bit", "paged_adamw_8bit"]),
+    act=st.sampled_from([0, 4 * KiB, 64 * KiB]),
+)
 tokens_st = st.lists(st.sampled_from([16, 64, 256]), min_size=1, max_size=4)
-policy_st = st.builds(pg.Policy, granularity=st.sampled_from(pg.GRANULARITIES),
-                      eviction_unit=st.sampled_from([64 * KiB, 2 * MiB]),
-                      eviction=st.sampled_from(pg.EVICTION_POLICIES), density_prefetch=st.booleans())
+policy_st = st.builds(
+    pg.Policy,
+    granularity=st.sampled_from(pg.GRANULARITIES),
+    eviction_unit=st.sampled_from([64 * KiB, 2 * MiB]),
+    eviction=st.sampled_from(pg.EVICTION_POLICIES),
+    density_prefetch=st.booleans(),
+)
 
 
 def fitting_fraction(setup: pg.TrainingSetup, tokens: list[int], fraction: float) -> int:
@@ -88,20 +99,37 @@ def fitting_fraction(setup: pg.TrainingSetup, tokens: list[int], fraction: float
 
 
 @FAST
-@given(setup=setups_st, tokens=tokens_st, policy=policy_st, fraction=st.floats(0.0, 1.2),
-       prefetching=st.booleans(), caching=st.booleans())
+@given(
+    setup=setups_st,
+    tokens=tokens_st,
+    policy=policy_st,
+    fraction=st.floats(0.0, 1.2),
+    prefetching=st.booleans(),
+    caching=st.booleans(),
+)
 def test_conservation(setup, tokens, policy, fraction, prefetching, caching):
     hw = pg.Hardware.t4().with_memory(fitting_fraction(setup, tokens, fraction))
-    result = pg.simulate(pg.training_trace(setup, tokens, use_prefetch=prefetching), hw, policy,
-                         caching_allocator=caching, record_timeline=False)
+    result = pg.simulate(
+        pg.training_trace(setup, tokens, use_prefetch=prefetching),
+        hw,
+        policy,
+        caching_allocator=caching,
+        record_timeline=False,
+    )
     assert result.conservation_error() == 0
     assert result.bytes_in + result.bytes_populated == result.bytes_out + result.resident_bytes
     assert result.peak_used <= hw.memory
 
 
 def test_conservation_with_managed_memory_freed_while_resident():
-    trace = [pg.alloc("a", 3 * MiB, managed=True), pg.touch("a"), pg.alloc("b", 3 * MiB, managed=True),
-             pg.touch("b"), pg.touch("a"), pg.free("a")]
+    trace = [
+        pg.alloc("a", 3 * MiB, managed=True),
+        pg.touch("a"),
+        pg.alloc("b", 3 * MiB, managed=True),
+        pg.touch("b"),
+        pg.touch("a"),
+        pg.free("a"),
+    ]
     result = pg.simulate(trace, pg.Hardware.t4().with_memory(4 * MiB))
     assert result.freed_resident_bytes > 0
     assert result.conservation_error() == 0
@@ -109,13 +137,20 @@ def test_conservation_with_managed_memory_freed_while_resident():
 
 # ---- monotonicity -------------------------------------------------------------------------------
 
+
 def total_time(result: pg.SimulationResult) -> float:
     return sum(result.step_time(step) for step in result.steps)
 
 
 @FAST
-@given(setup=setups_st, tokens=tokens_st, policy=policy_st, fractions=st.tuples(st.floats(0, 1.2), st.floats(0, 1.2)),
-       prefetching=st.booleans(), caching=st.booleans())
+@given(
+    setup=setups_st,
+    tokens=tokens_st,
+    policy=policy_st,
+    fractions=st.tuples(st.floats(0, 1.2), st.floats(0, 1.2)),
+    prefetching=st.booleans(),
+    caching=st.booleans(),
+)
 def test_less_device_memory_never_makes_training_faster(setup, tokens, policy, fractions, prefetching, caching):
     # The run's total time, not each step's: under allocation order and LRU, a device near the edge
     # can alternate between cheap and expensive steps, and the alternation's phase depends on the
@@ -137,8 +172,9 @@ def test_less_device_memory_never_makes_the_lesson_model_faster(regimes):
     for policy in pg.EVICTION_POLICIES:
         times = []
         for gib in (12.5, 14, 15.5, 16, 16.2, 16.4, 16.5, 16.6, 16.7, 17):
-            r = pg.simulate(trace, pg.Hardware.t4().with_memory(int(gib * 2**30)), pg.Policy(eviction=policy),
-                            record_timeline=False)
+            r = pg.simulate(
+                trace, pg.Hardware.t4().with_memory(int(gib * 2**30)), pg.Policy(eviction=policy), record_timeline=False
+            )
             times.append(total_time(r))
         assert times == sorted(times, reverse=True), (policy, times)
 
@@ -147,7 +183,7 @@ def test_allocation_order_is_gentler_than_lru_near_the_edge(regimes):
     setup = regimes["thrashing"].setup
     trace = pg.training_trace(setup, [2048] * 4)
     state = setup.bytes_by_category()["optimizer state (paged)"]
-    edge = int(16.71 * 2**30) - 100 * MiB       # about 100 MiB too little for the state to fit
+    edge = int(16.71 * 2**30) - 100 * MiB  # about 100 MiB too little for the state to fit
     moved = {}
     for policy in pg.EVICTION_POLICIES:
         r = pg.simulate(trace, pg.Hardware.t4().with_memory(edge), pg.Policy(eviction=policy), record_timeline=False)
@@ -156,8 +192,13 @@ def test_allocation_order_is_gentler_than_lru_near_the_edge(regimes):
 
 
 @FAST
-@given(setup=setups_st, tokens=tokens_st, fraction=st.floats(0, 1.0), factor=st.floats(0.1, 1.0),
-       which=st.sampled_from(["link", "h2d_bandwidth", "d2h_bandwidth", "device_bandwidth", "device_flops"]))
+@given(
+    setup=setups_st,
+    tokens=tokens_st,
+    fraction=st.floats(0, 1.0),
+    factor=st.floats(0.1, 1.0),
+    which=st.sampled_from(["link", "h2d_bandwidth", "d2h_bandwidth", "device_bandwidth", "device_flops"]),
+)
 def test_less_bandwidth_never_makes_a_step_faster(setup, tokens, fraction, factor, which):
     hw = pg.Hardware.t4().with_memory(fitting_fraction(setup, tokens, fraction))
     slow = hw.scaled_link(factor) if which == "link" else replace(hw, **{which: getattr(hw, which) * factor})
@@ -175,14 +216,18 @@ def test_the_cliff_state_a_little_short_moves_all_of_it():
     state = setup.bytes_by_category()["optimizer state (paged)"]
     moved = []
     for fraction in (1.05, 0.95, 0.5, 0.1):
-        r = pg.simulate(pg.training_trace(setup, tokens), pg.Hardware.t4().with_memory(
-            fitting_fraction(setup, tokens, fraction) - 8 * MiB), record_timeline=False)
+        r = pg.simulate(
+            pg.training_trace(setup, tokens),
+            pg.Hardware.t4().with_memory(fitting_fraction(setup, tokens, fraction) - 8 * MiB),
+            record_timeline=False,
+        )
         moved.append(r.step_stats(3).h2d_bytes)
     assert moved[0] == 0
     assert all(m >= 0.9 * state for m in moved[1:])
 
 
 # ---- the three regimes and the documented figure ----------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def regimes():
@@ -205,13 +250,13 @@ def test_regime_transient_spike(regimes):
     assert r.paged.slowdown(spike) > 1.2
     assert r.paged.step_stats(spike - 1).h2d_bytes == 0
     last = r.paged.steps[-1]
-    assert r.paged.step_stats(last).d2h_bytes == 0          # after empty_cache the state settles back
+    assert r.paged.step_stats(last).d2h_bytes == 0  # after empty_cache the state settles back
     assert r.paged.slowdown(last) < r.paged.slowdown(spike)
 
 
 def test_without_empty_cache_the_spike_keeps_costing(regimes):
     r = regimes["spike"]
-    trace = pg.training_trace(r.setup, list(r.tokens_per_step))     # no empty_cache
+    trace = pg.training_trace(r.setup, list(r.tokens_per_step))  # no empty_cache
     kept = pg.simulate(trace, record_timeline=False)
     released = pg.simulate(trace, caching_allocator=False, record_timeline=False)
     last = kept.steps[-1]
@@ -236,8 +281,8 @@ def test_regime_thrashing(regimes):
 def test_125_ms_per_gb_evicted(hardware):
     cost = pg.evicted_per_step_cost(1.0, hardware)
     assert cost["evicted_gb"] == pytest.approx(1.0, rel=0.05)
-    assert cost["ms_per_gb_in"] == pytest.approx(125, rel=0.2)      # what bitsandbytes' estimate counts
-    assert 125 * 0.8 <= cost["ms_per_gb_total"] <= 2 * 125 * 1.2   # the way out is on top
+    assert cost["ms_per_gb_in"] == pytest.approx(125, rel=0.2)  # what bitsandbytes' estimate counts
+    assert 125 * 0.8 <= cost["ms_per_gb_total"] <= 2 * 125 * 1.2  # the way out is on top
     assert pg.bnb_estimate_ms(1.0) == pytest.approx(125)
 
 
@@ -259,19 +304,32 @@ def test_paging_is_free_when_it_fits_but_offload_always_costs():
 
 # ---- driver details ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("granularity,density,faults", [
-    (4 * KiB, False, 512), (64 * KiB, False, 32), (64 * KiB, True, 6), (2 * MiB, True, 1), (4 * KiB, True, 17)])
+
+@pytest.mark.parametrize(
+    "granularity,density,faults",
+    [(4 * KiB, False, 512), (64 * KiB, False, 32), (64 * KiB, True, 6), (2 * MiB, True, 1), (4 * KiB, True, 17)],
+)
 def test_fault_counts_per_2mb_block(granularity, density, faults):
-    trace = [pg.alloc("s", 2 * MiB, managed=True), pg.touch("s"), pg.alloc("t", 2 * MiB, managed=True),
-             pg.touch("t"), pg.touch("s")]
+    trace = [
+        pg.alloc("s", 2 * MiB, managed=True),
+        pg.touch("s"),
+        pg.alloc("t", 2 * MiB, managed=True),
+        pg.touch("t"),
+        pg.touch("s"),
+    ]
     policy = pg.Policy(granularity=granularity, density_prefetch=density)
     result = pg.simulate(trace, pg.Hardware.t4().with_memory(2 * MiB), policy)
     assert result.phases[(0, "")].faults == faults
 
 
 def test_prefetch_migrates_without_faults_and_first_touch_populates():
-    trace = [pg.alloc("s", 8 * MiB, managed=True), pg.touch("s"), pg.alloc("t", 8 * MiB, managed=True),
-             pg.prefetch("t"), pg.prefetch("s")]
+    trace = [
+        pg.alloc("s", 8 * MiB, managed=True),
+        pg.touch("s"),
+        pg.alloc("t", 8 * MiB, managed=True),
+        pg.prefetch("t"),
+        pg.prefetch("s"),
+    ]
     result = pg.simulate(trace, pg.Hardware.t4().with_memory(8 * MiB))
     stats = result.phases[(0, "")]
     assert stats.faults == 0
@@ -288,21 +346,35 @@ def test_ordinary_allocations_evict_paged_state_and_oom_past_it():
 
 
 def test_caching_allocator_keeps_freed_blocks_until_empty_cache():
-    start = [pg.alloc("a", 8 * MiB, managed=True), pg.alloc("b", 8 * MiB, managed=True), pg.touch("a"),
-             pg.touch("b"), pg.alloc("act", 24 * MiB), pg.free("act")]
+    start = [
+        pg.alloc("a", 8 * MiB, managed=True),
+        pg.alloc("b", 8 * MiB, managed=True),
+        pg.touch("a"),
+        pg.touch("b"),
+        pg.alloc("act", 24 * MiB),
+        pg.free("act"),
+    ]
     again = [pg.touch("a"), pg.touch("b")]
     hw = pg.Hardware.t4().with_memory(32 * MiB)
     kept = pg.simulate(start + again, hw)
-    assert (kept.bytes_in, kept.bytes_out) == (16 * MiB, 24 * MiB)     # a and b share one free 8 MiB
+    assert (kept.bytes_in, kept.bytes_out) == (16 * MiB, 24 * MiB)  # a and b share one free 8 MiB
     flushed = pg.simulate(start + [pg.empty_cache()] + again, hw)
     assert (flushed.bytes_in, flushed.bytes_out) == (8 * MiB, 8 * MiB)
     released = pg.simulate(start + again, hw, caching_allocator=False)
     assert (released.bytes_in, released.bytes_out) == (8 * MiB, 8 * MiB)
 
 
-@pytest.mark.parametrize("nbytes,block,segment", [
-    (1, 512, 2 * MiB), (513, 1024, 2 * MiB), (MiB, MiB, 2 * MiB), (MiB + 1, MiB + 512, 20 * MiB),
-    (10 * MiB, 10 * MiB, 10 * MiB), (10 * MiB + 1, 10 * MiB + 512, 12 * MiB)])
+@pytest.mark.parametrize(
+    "nbytes,block,segment",
+    [
+        (1, 512, 2 * MiB),
+        (513, 1024, 2 * MiB),
+        (MiB, MiB, 2 * MiB),
+        (MiB + 1, MiB + 512, 20 * MiB),
+        (10 * MiB, 10 * MiB, 10 * MiB),
+        (10 * MiB + 1, 10 * MiB + 512, 12 * MiB),
+    ],
+)
 def test_caching_allocator_rounds_blocks_and_segments(nbytes, block, segment):
     # torch 2.13 c10/cuda/CUDACachingAllocator.cpp: round_size and get_allocation_size
     assert pg.block_bytes(nbytes) == block
@@ -318,11 +390,12 @@ def test_a_small_request_on_a_small_device_fails_for_its_segment():
 def test_foreach_adamw_allocates_one_state_sized_temporary_per_step():
     setup = small_setup(2, 256, "adamw")
     state = setup.bytes_by_category()["optimizer state (ordinary)"]
-    assert setup.bytes_by_category()["optimizer temporaries"] == state // 2     # sqrt(exp_avg_sq)
+    assert setup.bytes_by_category()["optimizer temporaries"] == state // 2  # sqrt(exp_avg_sq)
     assert setup.with_optimizer("paged_adamw_32bit").bytes_by_category()["optimizer temporaries"] == 0
     with_tmp = pg.simulate(pg.training_trace(setup, [64] * 2), pg.Hardware.t4().with_memory(1 << 40))
-    paged = pg.simulate(pg.training_trace(setup.with_optimizer("paged_adamw_32bit"), [64] * 2),
-                        pg.Hardware.t4().with_memory(1 << 40))
+    paged = pg.simulate(
+        pg.training_trace(setup.with_optimizer("paged_adamw_32bit"), [64] * 2), pg.Hardware.t4().with_memory(1 << 40)
+    )
     assert with_tmp.peak_reserved >= paged.peak_reserved + state // 2 + state
 
 
@@ -357,12 +430,13 @@ def test_measured_step_touches_optimizer_state_only_in_the_step():
 
 # ---- state sizes -------------------------------------------------------------------------------
 
+
 def test_optimizer_state_bytes_follow_bitsandbytes():
     big, small, tiny = pg.ParamSpec("big", 1_000_000), pg.ParamSpec("small", 50_000), pg.ParamSpec("tiny", 1000)
     eight = pg.optimizer_state(big, "paged_adamw_8bit")
     assert sum(s.nbytes for s in eight) / big.numel == pytest.approx(2.03125, rel=1e-4)
     assert [s.managed for s in eight] == [True, True, False, False]
-    assert not any(s.managed for s in pg.optimizer_state(small, "paged_adamw_32bit"))    # numel < 1e5
+    assert not any(s.managed for s in pg.optimizer_state(small, "paged_adamw_32bit"))  # numel < 1e5
     assert sum(s.nbytes for s in pg.optimizer_state(tiny, "paged_adamw_8bit")) == 8 * 1000  # < 4096: 32-bit
     assert sum(s.nbytes for s in pg.optimizer_state(big, "adamw")) == 8 * big.numel
 
@@ -374,11 +448,16 @@ def test_transformer_params_match_gpt2_small_and_a_module():
     assert {s.name for s in lora if s.trainable} == {f"h.{i}.attn.c_attn.lora_{x}" for i in range(2) for x in "AB"}
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     got = pg.params_from_module(module)
-    assert [(s.name, s.numel, s.layer) for s in got] == [("0.weight", 16, 0), ("0.bias", 4, 0),
-                                                         ("2.weight", 8, 2), ("2.bias", 2, 2)]
+    assert [(s.name, s.numel, s.layer) for s in got] == [
+        ("0.weight", 16, 0),
+        ("0.bias", 4, 0),
+        ("2.weight", 8, 2),
+        ("2.bias", 2, 2),
+    ]
 
 
 # ---- bad input ---------------------------------------------------------------------------------
+
 
 def test_capacity_smaller_than_one_page_is_a_clear_error():
     trace = [pg.alloc("s", 4 * MiB, managed=True), pg.touch("s")]
@@ -390,8 +469,9 @@ def test_capacity_smaller_than_one_page_is_a_clear_error():
         pg.chunk_migrations([0, 1], 0)
 
 
-@pytest.mark.parametrize("field", ["h2d_bandwidth", "d2h_bandwidth", "device_bandwidth", "device_flops",
-                                   "pinned_bandwidth", "cpu_adam_rate"])
+@pytest.mark.parametrize(
+    "field", ["h2d_bandwidth", "d2h_bandwidth", "device_bandwidth", "device_flops", "pinned_bandwidth", "cpu_adam_rate"]
+)
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
 def test_negative_or_zero_bandwidth_is_a_clear_error(field, value):
     with pytest.raises(pg.PagingError, match=field):
@@ -434,6 +514,7 @@ def test_bad_policy_and_setup_values_are_clear_errors():
 
 # ---- manual offload ------------------------------------------------------------------------------
 
+
 def test_simulated_offload_saves_the_state_and_costs_every_step():
     setup = small_setup(4, 256)
     result = pg.simulate_offload(setup, 256)
@@ -452,7 +533,7 @@ def test_cpu_offload_adamw_matches_torch_adamw(offload_gradients):
     ref = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
     off = pg.CPUOffloadAdamW(b.parameters(), lr=1e-2, weight_decay=0.1, offload_gradients=offload_gradients)
     for _ in range(4):
-        for micro in range(2):   # gradient accumulation: two backward passes per step
+        for _micro in range(2):  # gradient accumulation: two backward passes per step
             x = torch.randn(5, 12)
             a(x).pow(2).mean().backward()
             b(x).pow(2).mean().backward()
@@ -534,8 +615,12 @@ def test_no_call_that_ends_the_process():
 
 def test_every_demo_row_runs_in_a_process_of_its_own():
     shape = {"hidden": 32, "layers": 2, "tokens": 8}
-    rows = pg.isolated_runs([{"optimizer": "adamw", "shape": shape, "steps": 2},
-                                  {"optimizer": "paged_adamw_8bit", "shape": shape, "steps": 2}])
+    rows = pg.isolated_runs(
+        [
+            {"optimizer": "adamw", "shape": shape, "steps": 2},
+            {"optimizer": "paged_adamw_8bit", "shape": shape, "steps": 2},
+        ]
+    )
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(len(r["steps"]) == 2 for r in rows)
     pids = [r["pid"] for r in rows]
     assert os.getpid() not in pids and len(set(pids)) == 2
@@ -544,8 +629,11 @@ def test_every_demo_row_runs_in_a_process_of_its_own():
 def test_the_gpu_demo_sends_each_optimizer_to_its_own_process(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(isolate, "run", lambda target, timeout=None, **kw: calls.append((target, kw))
-                        or {"status": "ok", "pid": len(calls)})
+    monkeypatch.setattr(
+        isolate,
+        "run",
+        lambda target, timeout=None, **kw: calls.append((target, kw)) or {"status": "ok", "pid": len(calls)},
+    )
     demo = pg.paging_demo(2**30, steps=2)
     assert [kw["optimizer"] for _, kw in calls] == list(pg.DEMO_OPTIMIZERS)
     assert {target for target, _ in calls} == {"course_lib.paging.demo:demo_row"}

@@ -22,8 +22,17 @@ def test_seven_billion_adamw_is_112e9_bytes(capsys, precision):
     assert code == 0, err
     data = json.loads(out)
     assert data["bytes"]["total"] == 112_000_000_000
-    assert set(data["bytes"]) == {"weights", "gradients", "optimizer_state", "master_weights", "quantization",
-                                  "activations", "optimizer_temporaries", "overhead", "total"}
+    assert set(data["bytes"]) == {
+        "weights",
+        "gradients",
+        "optimizer_state",
+        "master_weights",
+        "quantization",
+        "activations",
+        "optimizer_temporaries",
+        "overhead",
+        "total",
+    }
     assert all(isinstance(v, int) for v in data["bytes"].values())
     assert data["bytes"]["overhead"] == 0 and data["activations_known"] is False
 
@@ -53,8 +62,19 @@ def test_empty_cache_each_step_changes_the_reserved_memory_only(capsys):
 
 
 def test_json_for_a_model_has_known_activations_and_the_fit(capsys):
-    code, out, _ = run(capsys, "gpt2", "--precision", "fp32", "--seq", "256", "--checkpointing", "every-layer",
-                       "--gpu", "a100-80gb", "--json")
+    code, out, _ = run(
+        capsys,
+        "gpt2",
+        "--precision",
+        "fp32",
+        "--seq",
+        "256",
+        "--checkpointing",
+        "every-layer",
+        "--gpu",
+        "a100-80gb",
+        "--json",
+    )
     data = json.loads(out)
     assert code == 0 and data["activations_known"] and data["bytes"]["activations"] > 0
     assert data["fits"] is True and data["bytes"]["overhead"] > 0
@@ -118,13 +138,16 @@ def test_nf4_without_bitsandbytes_is_refused(capsys, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     code, _, err = run(capsys, "gpt2", "--lora-rank", "8", "--quant", "nf4", "--precision", "bf16")
     assert code == 2 and "needs bitsandbytes" in err and err.count("\n") == 1
 
 
 def test_the_console_command_exits_2_with_one_line():
-    result = subprocess.run([sys.executable, "-m", "course_lib.cli", "plan", "--params", "-1"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_lib.cli", "plan", "--params", "-1"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "positive whole number" in result.stderr

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from course_lib import cli, model_config
-from course_lib.planner import PlanError, plan
 from course_lib.models import CONFIG_DIR, PUBLISHED_PARAMETERS
+from course_lib.planner import PlanError, plan
 
 
 def run(capsys, *argv):
@@ -28,9 +28,12 @@ def config_file(tmp_path, **fields):
     return str(path)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["llama-2-7b", "--seq", "1000000", "--json"], "beyond llama-2-7b's 4096 positions"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["llama-2-7b", "--seq", "1000000", "--json"], "beyond llama-2-7b's 4096 positions"),
+    ],
+)
 def test_a_sequence_beyond_the_positions_is_a_clear_warning(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 0, err
@@ -56,22 +59,33 @@ def test_a_model_type_alone_is_not_llama_2_7b(capsys, tmp_path):
     assert "no hidden_size, num_hidden_layers, num_attention_heads, vocab_size" in err and "LlamaConfig" in err
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(hidden_size=1000, num_attention_heads=3), '"hidden_size" 1000 is not a multiple of "num_attention_heads" 3'),
-    (dict(hidden_size="4096"), '"hidden_size" must be a positive whole number'),
-    (dict(num_hidden_layers="two"), '"num_hidden_layers" must be a positive whole number'),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(hidden_size=1000, num_attention_heads=3),
+            '"hidden_size" 1000 is not a multiple of "num_attention_heads" 3',
+        ),
+        (dict(hidden_size="4096"), '"hidden_size" must be a positive whole number'),
+        (dict(num_hidden_layers="two"), '"num_hidden_layers" must be a positive whole number'),
+    ],
+)
 def test_config_problems_name_the_field(capsys, tmp_path, fields, message):
     base = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
     assert message in refused(capsys, config_file(tmp_path, **{**base, **fields}))
 
 
-@pytest.mark.parametrize("fields, kind", [
-    (dict(model_type="bert", hidden_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=100),
-     "an encoder"),
-    (dict(model_type="t5", d_model=64, num_layers=2, num_heads=2, vocab_size=100), "an encoder-decoder"),
-    (dict(model_type="vit", hidden_size=64, num_hidden_layers=2, num_attention_heads=2), "not a causal"),
-])
+@pytest.mark.parametrize(
+    "fields, kind",
+    [
+        (
+            dict(model_type="bert", hidden_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=100),
+            "an encoder",
+        ),
+        (dict(model_type="t5", d_model=64, num_layers=2, num_heads=2, vocab_size=100), "an encoder-decoder"),
+        (dict(model_type="vit", hidden_size=64, num_hidden_layers=2, num_attention_heads=2), "not a causal"),
+    ],
+)
 def test_other_architectures_get_one_line(capsys, tmp_path, fields, kind):
     err = refused(capsys, config_file(tmp_path, **fields))
     assert kind in err and "decoder-only causal language models" in err and "--params" in err
@@ -114,12 +128,15 @@ def test_the_python_api_picks_the_gpus_precision_like_the_cli():
     assert plan("gpt2", lora_rank=4, quant="nf4", seq=64).setup.precision == "bf16"
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(lora_targets=("q_proj",)), "without a LoRA rank"),
-    (dict(lora_dropout=0.05), "without a LoRA rank"),
-    (dict(optimizer="sgd", adam_state="fp32"), "adam_state applies to"),
-    (dict(optimizer="adamw8bit", adam_state="fp32"), "adam_state applies to"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(lora_targets=("q_proj",)), "without a LoRA rank"),
+        (dict(lora_dropout=0.05), "without a LoRA rank"),
+        (dict(optimizer="sgd", adam_state="fp32"), "adam_state applies to"),
+        (dict(optimizer="adamw8bit", adam_state="fp32"), "adam_state applies to"),
+    ],
+)
 def test_contradictory_options_are_refused(options, message):
     with pytest.raises(PlanError, match=message):
         plan("gpt2", seq=64, **options)

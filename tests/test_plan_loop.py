@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig
 
 from course_lib.measure import measure_step
-from course_lib.planner import Setup, plan
 from course_lib.models import build_model, legacy_causal_lm_loss, spec_from_model
+from course_lib.planner import Setup, plan
 
 VOCAB = 8192  # a large vocabulary next to the width: the logits matter, as Llama-3's 128k do
 
@@ -46,8 +46,15 @@ def _measured_peak(config, loop: str, precision: str, legacy: bool = False) -> i
 
 
 def _tiny_llama():
-    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
     return config, spec_from_model(build_model(config), "tiny-llama", config)
 
 
@@ -58,16 +65,19 @@ def test_each_loop_matches_a_measured_step_within_2_percent(loop, precision):
     measured = _measured_peak(config, loop, precision)
     predicted = plan(spec, Setup(precision=precision, batch=2, seq=96, loop=loop))
     assert abs(predicted.total - measured) <= 0.02 * measured
-    other = plan(spec, Setup(precision=precision, batch=2, seq=96,
-                             loop="trainer" if loop != "trainer" else "keep-outputs"))
+    other = plan(
+        spec, Setup(precision=precision, batch=2, seq=96, loop="trainer" if loop != "trainer" else "keep-outputs")
+    )
     assert abs(other.total - measured) > 0.02 * measured  # the loop matters at this vocabulary
     assert any(note.startswith(f"loop {loop}") for note in predicted.notes)
 
 
 def test_only_the_tutorials_loop_keeps_the_previous_outputs_into_the_next_forward():
     _, spec = _tiny_llama()
-    forward = {loop: plan(spec, Setup(precision="bf16", batch=2, seq=96, loop=loop)).detail["phases"]["forward"]
-               for loop in ("keep-outputs", "outputs-until-step")}
+    forward = {
+        loop: plan(spec, Setup(precision="bf16", batch=2, seq=96, loop=loop)).detail["phases"]["forward"]
+        for loop in ("keep-outputs", "outputs-until-step")
+    }
     logits = 2 * 96 * VOCAB * 2  # bf16
     assert sum(forward["keep-outputs"].values()) - sum(forward["outputs-until-step"].values()) == logits
 

@@ -4,9 +4,9 @@ experts are 3-D parameters that bitsandbytes leaves unquantized, planned or refu
 import pytest
 
 from course_lib import cli
+from course_lib.models import model_spec
 from course_lib.planner import PlanError, plan
 from course_lib.planner.states.model_states import nf4_bytes
-from course_lib.models import model_spec
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -8,13 +8,14 @@ from transformers import AutoConfig
 
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.measure import measure_step
-from course_lib.planner import Setup, plan
 from course_lib.models import build_model, spec_from_model
+from course_lib.planner import Setup, plan
 
 
 def test_a_recomputed_layers_backward_temporaries_are_predicted():
-    config = AutoConfig.for_model("gpt2", n_embd=128, n_layer=6, n_head=4, n_positions=256, vocab_size=256,
-                                  bos_token_id=0, eos_token_id=0)
+    config = AutoConfig.for_model(
+        "gpt2", n_embd=128, n_layer=6, n_head=4, n_positions=256, vocab_size=256, bos_token_id=0, eos_token_id=0
+    )
     assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1  # GPT-2's default dropout
     setup = Setup(precision="fp32", optimizer="sgd", batch=2, seq=256, checkpointing="every-layer")
     torch.manual_seed(0)
@@ -31,17 +32,22 @@ def test_a_recomputed_layers_backward_temporaries_are_predicted():
 
 
 def test_fed_its_climbs_the_cost_model_gives_the_traced_backward_peak_without_checkpointing():
-    from course_lib.planner.trace.compose import shallow_spec
     from course_lib import checkpointing
-    from course_lib.planner.trace.step import _trace
     from course_lib.models import model_spec
+    from course_lib.planner.trace.compose import shallow_spec
+    from course_lib.planner.trace.step import _trace
 
     def cost_model_peak(trace, with_grads):  # what the planner feeds lesson 3's cost model for a plan
         return checkpointing.plan_cost(
-            trace.saved, trace.inputs, [], output_bytes=trace.output, head_bytes=0,
+            trace.saved,
+            trace.inputs,
+            [],
+            output_bytes=trace.output,
+            head_bytes=0,
             transient_bytes=trace.backward_climbs_with_grads if with_grads else trace.backward_climbs,
             grad_bytes=trace.layer_grads if with_grads else None,
-            head_grad_bytes=trace.head_grads if with_grads else 0).peak_bytes
+            head_grad_bytes=trace.head_grads if with_grads else 0,
+        ).peak_bytes
 
     for setup in (Setup(precision="mixed-bf16", batch=2, seq=64), Setup(precision="bf16", lora_rank=4, seq=48)):
         trace = _trace(shallow_spec(model_spec("llama-3.2-1b"), 3), setup, "cpu")

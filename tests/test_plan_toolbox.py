@@ -12,21 +12,29 @@ import torch
 from course_lib import cli
 from course_lib.checkpointing import tiny_decoder
 from course_lib.measure import measure_step, optimizer_state_tensors, storage_bytes
-from course_lib.planner import PlanError, Setup, plan
 from course_lib.models import spec_from_model
-from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, chunked_causal_lm_loss,
-                               embeddings_in_32_bits)
+from course_lib.planner import PlanError, Setup, plan
+from course_lib.toolbox import (
+    LEAN_OPTIMIZERS,
+    HostOffload,
+    OptimizerInBackward,
+    chunked_causal_lm_loss,
+    embeddings_in_32_bits,
+)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(chunked_loss=0), r"chunked_loss \(tokens per chunk.*must be a whole number >= 1, got 0"),
-    (dict(chunked_loss=2.5), r"chunked_loss \(tokens per chunk.*got 2.5 \(it has a fraction\)"),
-    (dict(optimizer_in_backward="yes"), "optimizer_in_backward must be True or False"),
-    (dict(offload_activations=1), "offload_activations must be True or False"),
-    (dict(optimizer_in_backward=True, accum=8), "nothing to accumulate into"),
-    (dict(offload_activations=True, checkpointing="every-layer"), "one of them at a time"),
-    (dict(chunked_loss=64, gpus=2), "does not model lesson 7's tricks under data parallelism"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(chunked_loss=0), r"chunked_loss \(tokens per chunk.*must be a whole number >= 1, got 0"),
+        (dict(chunked_loss=2.5), r"chunked_loss \(tokens per chunk.*got 2.5 \(it has a fraction\)"),
+        (dict(optimizer_in_backward="yes"), "optimizer_in_backward must be True or False"),
+        (dict(offload_activations=1), "offload_activations must be True or False"),
+        (dict(optimizer_in_backward=True, accum=8), "nothing to accumulate into"),
+        (dict(offload_activations=True, checkpointing="every-layer"), "one of them at a time"),
+        (dict(chunked_loss=64, gpus=2), "does not model lesson 7's tricks under data parallelism"),
+    ],
+)
 def test_bad_values_are_one_line_plan_errors(options, message):
     with pytest.raises(PlanError, match=message) as error:
         plan("gpt2", Setup(**options))
@@ -37,8 +45,11 @@ def test_the_cli_flags_reach_the_planner_and_bad_ones_are_one_line(capsys):
     assert cli.main(["plan", "--params", "1e6", "--precision", "fp32", "--optimizer-in-backward", "--json"]) == 0
     out, _ = capsys.readouterr()
     assert '"optimizer_in_backward": true' in out and '"gradients": 0' in out
-    for argv in (["gpt2", "--chunked-loss", "-3"], ["--params", "7e9", "--offload-activations"],
-                 ["gpt2", "--optimizer-in-backward", "--accum", "2"]):
+    for argv in (
+        ["gpt2", "--chunked-loss", "-3"],
+        ["--params", "7e9", "--offload-activations"],
+        ["gpt2", "--optimizer-in-backward", "--accum", "2"],
+    ):
         assert cli.main(["plan", *argv]) == 2
         _, err = capsys.readouterr()
         assert len(err.strip().splitlines()) == 1, err
@@ -65,9 +76,16 @@ def _measured_and_predicted(setup: Setup):
     return measured, predicted, storage_bytes(optimizer_state_tensors(opt))
 
 
-@pytest.mark.parametrize("fields", [dict(precision="bf16", optimizer="adafactor"),
-                                    dict(optimizer_in_backward=True, optimizer="adamw8bit"),
-                                    dict(chunked_loss=32), dict(offload_activations=True)], ids=str)
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(precision="bf16", optimizer="adafactor"),
+        dict(optimizer_in_backward=True, optimizer="adamw8bit"),
+        dict(chunked_loss=32),
+        dict(offload_activations=True),
+    ],
+    ids=str,
+)
 def test_predictions_match_a_measured_cpu_step(fields):
     setup = Setup(**{"precision": "fp32", "batch": 2, "seq": 128, **fields})
     measured, predicted, state = _measured_and_predicted(setup)

@@ -23,9 +23,21 @@ def close_figures():
 
 
 def test_accumulation_cost_stacks_to_the_measured_peak():
-    rows = [CostRow(micro_batch=m, k=64 // m, flops=10**9, ms_per_step=100.0 + 400 / m, peak_bytes=(5 + m) * MiB,
-                    parameters=MiB, gradients=MiB, optimizer_state=2 * MiB, saved_per_micro_batch=m * MiB // 2,
-                    inputs=MiB // 4) for m in (1, 4, 16, 64)]
+    rows = [
+        CostRow(
+            micro_batch=m,
+            k=64 // m,
+            flops=10**9,
+            ms_per_step=100.0 + 400 / m,
+            peak_bytes=(5 + m) * MiB,
+            parameters=MiB,
+            gradients=MiB,
+            optimizer_state=2 * MiB,
+            saved_per_micro_batch=m * MiB // 2,
+            inputs=MiB // 4,
+        )
+        for m in (1, 4, 16, 64)
+    ]
     fig = plots.plot_accumulation_cost(list(reversed(rows)), title="test")
     ax_time, ax_memory = fig.axes
     assert ax_time.get_ylabel() == "time per optimizer step (ms)" and ax_time.get_title() == "same FLOPs per step"
@@ -50,20 +62,34 @@ def test_touches_put_each_operator_on_its_category():
 
 
 def test_prefetch_timeline_draws_each_entry_in_milliseconds():
-    entries = [TimelineEntry("prefetch", 0, 0.000, 0.002, 100), TimelineEntry("update", 0, 0.002, 0.005, 100),
-               {"kind": "prefetch", "index": 1, "start": 0.003, "end": 0.004, "state_bytes": 10}]
+    entries = [
+        TimelineEntry("prefetch", 0, 0.000, 0.002, 100),
+        TimelineEntry("update", 0, 0.002, 0.005, 100),
+        {"kind": "prefetch", "index": 1, "start": 0.003, "end": 0.004, "state_bytes": 10},
+    ]
     ax = plots.plot_prefetch_timeline(entries)
-    spans = sorted(tuple(round(v, 6) for v in path.get_extents().bounds[:3:2])
-                   for collection in ax.collections for path in collection.get_paths())
+    spans = sorted(
+        tuple(round(v, 6) for v in path.get_extents().bounds[:3:2])
+        for collection in ax.collections
+        for path in collection.get_paths()
+    )
     assert spans == [(0.0, 2.0), (2.0, 3.0), (3.0, 1.0)]  # (start ms, length ms)
-    assert ax.get_xlabel().endswith("(ms)") and {t.get_text() for t in ax.get_legend().get_texts()} == {"prefetch", "update"}
+    assert ax.get_xlabel().endswith("(ms)") and {t.get_text() for t in ax.get_legend().get_texts()} == {
+        "prefetch",
+        "update",
+    }
 
 
 def test_paging_timeline_has_one_lane_per_kind_of_work():
     result = pg.regimes()["spike"].paged
     ax = plots.plot_paging_timeline(result, steps=[1, 2])
     assert ax.get_xlabel() == "time (ms)"
-    assert [label.get_text() for label in ax.get_yticklabels()] == ["compute", "faults", "migrate in (H2D)", "evict (D2H)"]
+    assert [label.get_text() for label in ax.get_yticklabels()] == [
+        "compute",
+        "faults",
+        "migrate in (H2D)",
+        "evict (D2H)",
+    ]
     lanes = {s.lane for s in result.timeline if s.step in (1, 2)}
     assert len(ax.collections) == len(lanes)
     assert [t.get_text().strip() for t in ax.texts] == ["step 1", "step 2"]
@@ -72,9 +98,21 @@ def test_paging_timeline_has_one_lane_per_kind_of_work():
 def test_sharding_bars_stack_to_each_peak_with_the_legend_clear_of_the_axes():
     from types import SimpleNamespace
 
-    steps = [SimpleNamespace(rank=rank, world_size=n, stage=stage, parameters=MiB // n, gradients=MiB // n,
-                             optimizer_state=2 * MiB // n, model_states=4 * MiB // n, peak=(5 + n) * MiB)
-             for n in (1, 2) for stage in ("none", "zero3") for rank in range(n)]
+    steps = [
+        SimpleNamespace(
+            rank=rank,
+            world_size=n,
+            stage=stage,
+            parameters=MiB // n,
+            gradients=MiB // n,
+            optimizer_state=2 * MiB // n,
+            model_states=4 * MiB // n,
+            peak=(5 + n) * MiB,
+        )
+        for n in (1, 2)
+        for stage in ("none", "zero3")
+        for rank in range(n)
+    ]
     predicted = {(s.world_size, s.stage): s.peak + MiB for s in steps}
     fig = plots.plot_sharding(steps, predicted, title="test")
     ax = fig.axes[0]
@@ -92,8 +130,10 @@ def test_sharding_bars_stack_to_each_peak_with_the_legend_clear_of_the_axes():
 def test_recipe_phases_stack_each_phase_to_what_is_live_then_and_outline_the_peak():
     from course_lib.planner import plan
 
-    plans = {"one micro-batch": plan("gpt2", precision="fp32", batch=1, seq=64, suggest=False),
-             "accumulating": plan("gpt2", precision="fp32", batch=1, seq=64, accum=2, suggest=False)}
+    plans = {
+        "one micro-batch": plan("gpt2", precision="fp32", batch=1, seq=64, suggest=False),
+        "accumulating": plan("gpt2", precision="fp32", batch=1, seq=64, accum=2, suggest=False),
+    }
     fig = plots.plot_recipe_phases(plans, title="test")
     ax = fig.axes[0]
     assert "(GiB)" in ax.get_ylabel()

@@ -14,8 +14,8 @@ import torch
 
 from course_lib.errors import UserError
 from course_lib.measure import measure_step
-from course_lib.planner import Setup, plan
 from course_lib.models import build_model, spec_from_model
+from course_lib.planner import Setup, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("published_accuracy", ROOT / "benchmarks" / "published_accuracy.py")
@@ -33,8 +33,9 @@ def test_the_data_has_40_rows_from_5_sources_each_with_a_references_entry():
     sources = {row["source"] for row in rows}
     assert len(rows) >= 40 and len(sources) >= 5
     assert not sources - reference_ids(), f"sources without a docs/references.md entry: {sources - reference_ids()}"
-    assert all(row["ref"].count("@") == 1 and len(row["ref"].split("@")[1]) == 40 for row in rows), \
+    assert all(row["ref"].count("@") == 1 and len(row["ref"].split("@")[1]) == 40 for row in rows), (
         "each row names its repository file at a full commit"
+    )
     assert all(row["exclusion"] or row["model"] for row in rows), "a row without a bundled model says why"
 
 
@@ -57,9 +58,16 @@ def test_each_rows_facts_agree_with_its_columns():
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("field, value, message", [("unit", "GB/s", "unknown unit"), ("statistic", "peak", "unknown statistic"),
-                                                   ("facts", "", "empty facts"), ("value", "", "a fit has"),
-                                                   ("fsdp_wrap_from", "gpu", "fsdp_wrap_from is empty")])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("unit", "GB/s", "unknown unit"),
+        ("statistic", "peak", "unknown statistic"),
+        ("facts", "", "empty facts"),
+        ("value", "", "a fit has"),
+        ("fsdp_wrap_from", "gpu", "fsdp_wrap_from is empty"),
+    ],
+)
 def test_a_bad_row_is_one_line_naming_it(tmp_path, field, value, message):
     rows = accuracy.load_rows()
     rows[3][field] = value
@@ -113,8 +121,12 @@ def test_a_row_maps_to_the_setup_the_cli_would_build():
     assert not fsdp.autocast_adapter_dtype  # peft before 0.11: adapters in the base's dtype
     # Answer.AI's train.py: FullyShardedDataParallel with its default BACKWARD_PRE, `output = None` after the
     # step, transformers of early 2024
-    assert (fsdp.fsdp_version, fsdp.fsdp_backward_prefetch, fsdp.loop, fsdp.legacy_causal_lm_loss) == \
-        (1, True, "outputs-until-step", True)
+    assert (fsdp.fsdp_version, fsdp.fsdp_backward_prefetch, fsdp.loop, fsdp.legacy_causal_lm_loss) == (
+        1,
+        True,
+        "outputs-until-step",
+        True,
+    )
     # its loader: the model on the CPU, wrapped with sync_module_states; its 4-bit base double-quantized
     assert fsdp.fsdp_wrap_from == "cpu-broadcast" and accuracy.setup_of(rows["fq-qlora-b1-512"]).quant == "nf4-dq"
     metamath = accuracy.setup_of(rows["mm-lora-r32-qv"])
@@ -126,8 +138,15 @@ def test_a_row_maps_to_the_setup_the_cli_would_build():
 def _tiny_llama():
     from transformers import AutoConfig
 
-    return AutoConfig.for_model("llama", hidden_size=128, intermediate_size=344, num_hidden_layers=3,
-                                num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+    )
 
 
 def test_peft_adapter_dtype_is_planned_within_2_percent_of_the_measured_step():
@@ -140,8 +159,11 @@ def test_peft_adapter_dtype_is_planned_within_2_percent_of_the_measured_step():
     peaks = {}
     for autocast in (True, False):
         torch.manual_seed(0)
-        model = get_peft_model(build_model(config, "cpu", dtype=torch.bfloat16),
-                               LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), autocast_adapter_dtype=autocast)
+        model = get_peft_model(
+            build_model(config, "cpu", dtype=torch.bfloat16),
+            LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+            autocast_adapter_dtype=autocast,
+        )
         model.train()
         trained = [p for p in model.parameters() if p.requires_grad]
         assert {p.dtype for p in trained} == {torch.float32 if autocast else torch.bfloat16}
@@ -166,8 +188,12 @@ def test_the_cli_plans_the_published_rows_options_and_refuses_them_where_they_me
     base = ["plan", "llama-2-7b", "--lora-rank", "64", "--precision", "bf16", "--json"]
     sharded = ["--gpus", "2", "--shard", "zero3", "--fsdp-version", "1"]
     totals = {}
-    for name, extra in (("now", []), ("bf16 adapters", ["--no-autocast-adapter-dtype"]),
-                        ("prefetch", sharded + ["--fsdp-backward-prefetch"]), ("no prefetch", sharded)):
+    for name, extra in (
+        ("now", []),
+        ("bf16 adapters", ["--no-autocast-adapter-dtype"]),
+        ("prefetch", sharded + ["--fsdp-backward-prefetch"]),
+        ("no prefetch", sharded),
+    ):
         assert cli.main(base + extra) == 0
         totals[name] = json.loads(capsys.readouterr().out)["bytes"]["total"]
     assert totals["bf16 adapters"] < totals["now"]  # fp32 adapters (peft >= 0.11) cost more
@@ -185,12 +211,40 @@ def test_the_cli_builds_an_answerai_rows_setup_from_its_options(capsys):
 
     row = {r["id"]: r for r in accuracy.load_rows()}["fq-lora-b1-512"]
     expected = plan(row["model"], accuracy.setup_of(row), gpu=accuracy.card_of(row), suggest=False)
-    args = ["plan", row["model"], "--lora-rank", row["lora_rank"], "--lora-targets", ",".join(row["lora_targets"].split()),
-            "--lora-dropout", row["lora_dropout"], "--precision", row["dtype"], "--batch", row["micro_batch"],
-            "--seq", row["seq"], "--checkpointing", row["checkpointing"], "--no-autocast-adapter-dtype",
-            "--loop", row["loop"], "--legacy-causal-lm-loss", "--gpus", row["gpus"], "--shard", "zero3",
-            "--fsdp-version", row["fsdp_version"], "--fsdp-backward-prefetch", "--fsdp-wrap-from", row["fsdp_wrap_from"],
-            "--gpu", row["gpu"], "--json"]
+    args = [
+        "plan",
+        row["model"],
+        "--lora-rank",
+        row["lora_rank"],
+        "--lora-targets",
+        ",".join(row["lora_targets"].split()),
+        "--lora-dropout",
+        row["lora_dropout"],
+        "--precision",
+        row["dtype"],
+        "--batch",
+        row["micro_batch"],
+        "--seq",
+        row["seq"],
+        "--checkpointing",
+        row["checkpointing"],
+        "--no-autocast-adapter-dtype",
+        "--loop",
+        row["loop"],
+        "--legacy-causal-lm-loss",
+        "--gpus",
+        row["gpus"],
+        "--shard",
+        "zero3",
+        "--fsdp-version",
+        row["fsdp_version"],
+        "--fsdp-backward-prefetch",
+        "--fsdp-wrap-from",
+        row["fsdp_wrap_from"],
+        "--gpu",
+        row["gpu"],
+        "--json",
+    ]
     assert cli.main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["bytes"] == dict(expected.bytes)

@@ -28,13 +28,17 @@ def config():
 # The recipe
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(lora_rank=0), "lora_rank > 0"),
-    (dict(optim="adamw"), "unknown optim"),
-    (dict(batch=0), "batch must be a positive integer"),
-    (dict(accum=True), "accum must be a positive integer"),
-    (dict(lora_rank=-1, nf4=False), "lora_rank must be"),
-])
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(lora_rank=0), "lora_rank > 0"),
+        (dict(optim="adamw"), "unknown optim"),
+        (dict(batch=0), "batch must be a positive integer"),
+        (dict(accum=True), "accum must be a positive integer"),
+        (dict(lora_rank=-1, nf4=False), "lora_rank must be"),
+    ],
+)
 def test_bad_recipes_fail_with_one_line(fields, message):
     with pytest.raises(qlora.RecipeError, match=message) as error:
         qlora.Recipe(**fields).validate()
@@ -100,6 +104,7 @@ def test_counting_dataset_rejects_bad_sizes():
 # The model, measured and predicted
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_qlora_model_is_nf4_double_quantized_with_fp32_adapters_and_gradients_flow(config):
     import bitsandbytes as bnb
 
@@ -142,7 +147,10 @@ def test_planner_within_ten_percent_and_tricks_save_memory(config):
     assert on.measured_peak < no_quant.measured_peak < off.measured_peak
     assert on.trainable == no_quant.trainable < off.trainable
     peak_only = qlora.measure_recipe(config, qlora.Recipe(seq=64, accum=2), timed_steps=0)
-    assert (peak_only.measured_peak, peak_only.step_ms) == (on.measured_peak, None)  # exact on a CPU: untimed, same peak
+    assert (peak_only.measured_peak, peak_only.step_ms) == (
+        on.measured_peak,
+        None,
+    )  # exact on a CPU: untimed, same peak
     assert "-" in qlora.format_ablation([on, peak_only]).splitlines()[-1].split()[-1]
     with pytest.raises(ValueError, match="timed_steps"):
         qlora.measure_recipe(config, qlora.Recipe(seq=64), timed_steps=-1)
@@ -229,6 +237,7 @@ def test_train_rejects_a_dataset_smaller_than_one_effective_batch(config):
 # The exercise's check
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_check_fit_in_budget_measures_and_fails_with_hints(config):
     from course_lib import checks
 
@@ -247,7 +256,7 @@ def test_check_fit_in_budget_measures_and_fails_with_hints(config):
         checks.check_fit_in_budget(no_tricks, config, 4 * 2**20, effective_batch=4, seq=32)
     with pytest.raises(AssertionError, match="return a qlora.Recipe"):
         checks.check_fit_in_budget(lambda *a: None, config, 2**30, effective_batch=4, seq=32)
-    with pytest.raises(AssertionError, match="fits without"):   # a GiB needs no trick at all
+    with pytest.raises(AssertionError, match="fits without"):  # a GiB needs no trick at all
         checks.check_fit_in_budget(every_trick, config, 2**30, effective_batch=4, seq=32)
     with pytest.raises(AssertionError, match="does not show"):  # right for the shown budget, not for a hidden one
         checks.check_fit_in_budget(no_tricks, config, 2**30, effective_batch=4, seq=32)
@@ -260,7 +269,7 @@ def test_the_random_checkpoint_is_saved_once_for_every_process(config, tmp_path,
     monkeypatch.setattr(qlora.building, "_SAVED", {})
     first = qlora.checkpoint_dir(config)
     stamp = (first / "config.json").stat().st_mtime_ns
-    monkeypatch.setattr(qlora.building, "_SAVED", {})          # as in a fresh process
+    monkeypatch.setattr(qlora.building, "_SAVED", {})  # as in a fresh process
     again = qlora.checkpoint_dir(config)
     assert again == first and first.parent == tmp_path and (again / "config.json").stat().st_mtime_ns == stamp
 

@@ -13,11 +13,16 @@ import torch
 from course_lib import cli, planner
 from course_lib.caching_allocator import MiB, replay
 from course_lib.measure import GiB, LiveStorageTracker
-from course_lib.planner.trace.deep_stream import live_peak
-from course_lib.planner.allocator.reserved import (CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, AllocationStream,
-                                        cublas_workspaces, stream_slack)
-from course_lib.planner.trace.step import _trace
 from course_lib.models import model_spec
+from course_lib.planner.allocator.reserved import (
+    CUBLAS_WORKSPACE,
+    CUBLAS_WORKSPACE_SM90,
+    AllocationStream,
+    cublas_workspaces,
+    stream_slack,
+)
+from course_lib.planner.trace.deep_stream import live_peak
+from course_lib.planner.trace.step import _trace
 
 
 class _Recorder(AllocationStream, LiveStorageTracker):
@@ -43,8 +48,9 @@ def test_a_stream_replayed_peaks_at_the_trackers_peak_rounded():
     stats = replay(stream)
     frees = sum(1 for entry in stream if entry < 0)
     assert frees > 100  # the step frees what it made: a stream without frees would climb far above the peak
-    assert peak == max(trace.forward_peak, trace.head_backward_peak, trace.layer_backward_peak,
-                       trace.tail_backward_peak)
+    assert peak == max(
+        trace.forward_peak, trace.head_backward_peak, trace.layer_backward_peak, trace.tail_backward_peak
+    )
     assert peak <= stats.peak_allocated <= peak * 1.02 + MiB
     assert trace.allocator_slack == stream_slack(stream, peak) >= 0
     assert trace.allocator_slack_emptied == stream_slack(stream, peak, empty_cache=True) >= 0
@@ -56,11 +62,14 @@ def test_the_workspaces_are_larger_on_compute_capability_9_0():
     assert sum(cublas_workspaces(h100)) > sum(cublas_workspaces(t4)) > 2 * CUBLAS_WORKSPACE
 
 
-@pytest.mark.parametrize("name, options", [
-    ("gpt2", dict(precision="amp-fp16")),
-    ("llama-3.2-1b", dict(precision="bf16", lora_rank=16, checkpointing="every-layer")),
-    ("llama-3.2-1b", dict(precision="mixed-bf16", optimizer="paged_adamw8bit", batch=2, seq=256)),
-])
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("gpt2", dict(precision="amp-fp16")),
+        ("llama-3.2-1b", dict(precision="bf16", lora_rank=16, checkpointing="every-layer")),
+        ("llama-3.2-1b", dict(precision="mixed-bf16", optimizer="paged_adamw8bit", batch=2, seq=256)),
+    ],
+)
 def test_reserved_covers_allocated_and_the_workspaces(name, options):
     plan = planner.plan(name, planner.Setup(**options), gpu="h100", suggest=False)
     line = plan.oom_line
@@ -106,10 +115,19 @@ def test_a_step_after_empty_cache_finds_only_what_lives_on():
 @pytest.mark.parametrize("checkpointing", ["none", "every-layer"])
 def test_emptying_the_cache_each_step_changes_the_reserve_only(checkpointing):
     # peft's MetaMathQA run.py: torch.cuda.empty_cache() after every step (Llama-3.2-3B, LoRA r32 on q and v)
-    setup = planner.Setup(precision="bf16", lora_rank=32, lora_targets=("q_proj", "v_proj"), batch=4, seq=768,
-                         loop="keep-outputs", checkpointing=checkpointing)
-    kept, emptied = (planner.plan("llama-3.2-3b", replace(setup, empty_cache_each_step=flag), gpu="l40s", suggest=False)
-                     for flag in (False, True))
+    setup = planner.Setup(
+        precision="bf16",
+        lora_rank=32,
+        lora_targets=("q_proj", "v_proj"),
+        batch=4,
+        seq=768,
+        loop="keep-outputs",
+        checkpointing=checkpointing,
+    )
+    kept, emptied = (
+        planner.plan("llama-3.2-3b", replace(setup, empty_cache_each_step=flag), gpu="l40s", suggest=False)
+        for flag in (False, True)
+    )
     # only the reserve changes, and never up: the kept cache can hold the second step (every layer checkpointed:
     # the deep model's first step leaves blocks the second fits in)
     assert kept.bytes == emptied.bytes and emptied.reserved <= kept.reserved
@@ -136,8 +154,8 @@ def _measured_slack(spec, setup, plan=None) -> int:
     tensor as the planner's trace records them (parameters and the batch left out), under a checkpoint
     `plan` applied by lesson 3's apply_plan, as the planner applies it."""
     from course_lib.checkpointing import apply_plan
-    from course_lib.planner.trace.step import _MetaTracer
     from course_lib.models import build_model, transformers_config
+    from course_lib.planner.trace.step import _MetaTracer
 
     torch.manual_seed(0)
     model = build_model(transformers_config(spec.config), "cpu", dtype=torch.float32)
@@ -183,8 +201,9 @@ def test_under_checkpointing_the_reserve_is_the_checkpointed_steps():
     from course_lib.planner.trace.checkpointed import checkpointed_slack, checkpointed_stream
 
     spec = model_spec("llama-2-7b")
-    setup = planner.Setup(precision="bf16", lora_rank=64, quant="nf4", batch=4, seq=2048,
-                         checkpointing="every-layer").validate()
+    setup = planner.Setup(
+        precision="bf16", lora_rank=64, quant="nf4", batch=4, seq=2048, checkpointing="every-layer"
+    ).validate()
     stream, peak = checkpointed_stream(spec, setup)
     slack = checkpointed_slack(spec, setup)
     assert slack == stream_slack(stream, peak) > 256 * MiB and peak == live_peak(stream)

@@ -11,17 +11,34 @@ import pytest
 from course_lib import cli, models
 from course_lib.model_config import SavedConfig, bundled_models, config_class_name, load_config, transformers_config
 
-READ_BY_THE_PLANNER = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                       "max_position_embeddings", "tie_word_embeddings", "layer_types", "n_embd", "n_head",
-                       "n_layer", "n_positions", "is_encoder_decoder", "model_type")
+READ_BY_THE_PLANNER = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "layer_types",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_positions",
+    "is_encoder_decoder",
+    "model_type",
+)
 
 
 @pytest.mark.parametrize("name", bundled_models())
 def test_a_saved_config_reads_as_the_config_without_transformers(name):
     config = load_config(name)
     saved = SavedConfig(json.loads(json.dumps(SavedConfig.record_of(config))))  # as read from disk
-    names = [n for n in {*READ_BY_THE_PLANNER, *config.to_dict(), *type(config).attribute_map}
-             if not n.startswith("_") and hasattr(config, n) and saved._record["aliases"].get(n, n) in saved._record["fields"]]
+    names = [
+        n
+        for n in {*READ_BY_THE_PLANNER, *config.to_dict(), *type(config).attribute_map}
+        if not n.startswith("_")
+        and hasattr(config, n)
+        and saved._record["aliases"].get(n, n) in saved._record["fields"]
+    ]
     assert {"hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"} <= set(names)
     for field in names:
         assert getattr(saved, field) == getattr(config, field), field
@@ -65,9 +82,16 @@ def test_a_second_plan_imports_neither_transformers_nor_peft(capsys, monkeypatch
     assert cli.main(argv) == 0  # the first plan: read, built and traced here, kept in tmp_path
     first = capsys.readouterr().out
     models._cached_spec.cache_clear()
-    code = ("import sys; from course_lib import cli; code = cli.main(sys.argv[1:]); "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'peft', 'bitsandbytes'}))")
-    second = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True,
-                            env={**os.environ, "COURSE_LIB_CACHE_DIR": str(tmp_path)})
+    code = (
+        "import sys; from course_lib import cli; code = cli.main(sys.argv[1:]); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'peft', 'bitsandbytes'}))"
+    )
+    second = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COURSE_LIB_CACHE_DIR": str(tmp_path)},
+    )
     assert second.stdout.splitlines()[-1] == "[]", second.stdout[-500:]
     assert second.stdout.splitlines()[:-1] == first.splitlines()

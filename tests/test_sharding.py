@@ -10,10 +10,10 @@ import torch
 
 from course_lib import cli
 from course_lib.checkpointing.demo_models import tiny_decoder
+from course_lib.models import spec_from_model
 from course_lib.planner import PlanError, offload_prediction, plan
 from course_lib.planner.parallel.fsdp import fsdp_fraction
 from course_lib.planner.parallel.sharded import zero1_partition
-from course_lib.models import spec_from_model
 from course_lib.sharding import STAGES, FSDPOptions, measure_sharding, run_ranks
 from course_lib.sharding.engines import wrap
 
@@ -63,8 +63,9 @@ def test_gradient_shards_held_across_accumulation_are_planned(spec):
     micro-batch's backward to the step (measured on gloo, 2 ranks)."""
     measured = measure_sharding(BUILD, N, ("zero2", "zero3"), batch=BATCH, seq=SEQ, micro_batches=4, timeout_s=240)
     for step in measured:
-        predicted = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard=step.stage,
-                         accum=4)
+        predicted = plan(
+            spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard=step.stage, accum=4
+        )
         assert predicted.total == pytest.approx(step.peak, rel=0.10), (step.stage, step.rank)
         assert bounds(predicted.total, step), (step.stage, step.rank)
         single = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard=step.stage)
@@ -72,7 +73,7 @@ def test_gradient_shards_held_across_accumulation_are_planned(spec):
 
 
 def test_bytes_sent_are_the_papers_2x_and_3x(steps, spec):
-    psi = spec.n_params * 4 * (N - 1) / N          # one pass of the parameters through a ring
+    psi = spec.n_params * 4 * (N - 1) / N  # one pass of the parameters through a ring
     for rank in range(N):
         assert steps["none", rank].sent_by_collective == {"all_reduce": 2 * psi}  # DDP: 2 x parameters
         assert steps["zero2", rank].bytes_sent == pytest.approx(2 * psi, rel=0.01)
@@ -93,8 +94,12 @@ def test_the_papers_four_numbers(stage, paper_gb):
     p = plan(int(7.5e9), precision="mixed-bf16", optimizer="adamw", gpus=64, shard=stage)
     states = sum(p.bytes[c] for c in ("weights", "gradients", "optimizer_state", "master_weights"))
     psi, k, n = 7.5e9, 12, 64
-    formula = {"none": (4 + k) * psi, "zero1": 4 * psi + k * psi / n, "zero2": 2 * psi + (2 + k) * psi / n,
-               "zero3": (4 + k) * psi / n}[stage]
+    formula = {
+        "none": (4 + k) * psi,
+        "zero1": 4 * psi + k * psi / n,
+        "zero2": 2 * psi + (2 + k) * psi / n,
+        "zero3": (4 + k) * psi / n,
+    }[stage]
     assert states == pytest.approx(formula, abs=64)
     assert round(states / 1e9, 1) == pytest.approx(paper_gb, abs=0.05)  # the paper rounds 1.875 GB to 1.9
 
@@ -108,17 +113,21 @@ def test_what_makes_it_fit_offers_sharding_with_more_than_one_gpu():
 
 def test_what_makes_it_fit_offers_no_trick_the_planner_refuses_with_gpus():
     sharded = plan("llama-3.2-3b", precision="fp16", batch=1, seq=16384, gpus=2, shard="zero3", gpu="t4")
-    assert sharded.tricks and not any(name in t.name for t in sharded.tricks
-                                      for name in ("chunked loss", "in backward", "offloading", "QLoRA"))
+    assert sharded.tricks and not any(
+        name in t.name for t in sharded.tricks for name in ("chunked loss", "in backward", "offloading", "QLoRA")
+    )
     with pytest.raises(PlanError, match="chunked_loss with --gpus 2"):
         plan("llama-3.2-3b", precision="fp16", batch=1, seq=16384, gpus=2, shard="zero3", chunked_loss=1024)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--gpus", "0"], "--gpus: must be a whole number >= 1, got 0"),
-    (["--gpus", "2", "--shard", "zero4"], "unknown shard stage 'zero4'"),
-    (["--shard", "zero3"], "--shard zero3 needs --gpus N"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "0"], "--gpus: must be a whole number >= 1, got 0"),
+        (["--gpus", "2", "--shard", "zero4"], "unknown shard stage 'zero4'"),
+        (["--shard", "zero3"], "--shard zero3 needs --gpus N"),
+    ],
+)
 def test_bad_sharding_input_is_one_line(capsys, argv, message):
     code = cli.main(["plan", "--params", "7e9", *argv])
     err = capsys.readouterr().err
@@ -139,6 +148,7 @@ def test_an_unknown_engine_is_refused_before_spawning():
 
 def _slow(rank, world_size):
     import time
+
     time.sleep(60)
 
 
@@ -176,9 +186,12 @@ def _offload_traffic(rank, world_size, fsdp):
     bytes of the fp32 weight shard each time FSDPParam.all_gather_inputs copies it to the device, of each
     gradient shard foreach_reduce copies back to the host, and what stays in host memory after the step."""
     import math
+
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
     from course_lib.measure import optimizer_state_tensors, storage_bytes
+
     moved = {"to_device": 0, "to_host": 0}
     gather_inputs, reduce = _fsdp_param.FSDPParam.all_gather_inputs.fget, _fsdp_param_group.foreach_reduce
 
@@ -188,8 +201,11 @@ def _offload_traffic(rank, world_size, fsdp):
         return gather_inputs(param)
 
     def counted_reduce(fsdp_params, unsharded_grads, *args, **kwargs):  # on a GPU: new_sharded_grad.to("cpu")
-        moved["to_host"] += sum(math.prod(p.sharded_size) * g.element_size()
-                                for p, g in zip(fsdp_params, unsharded_grads) if p.offload_to_cpu)
+        moved["to_host"] += sum(
+            math.prod(p.sharded_size) * g.element_size()
+            for p, g in zip(fsdp_params, unsharded_grads)
+            if p.offload_to_cpu
+        )
         return reduce(fsdp_params, unsharded_grads, *args, **kwargs)
 
     _fsdp_param.FSDPParam.all_gather_inputs = property(counted_gather_inputs)  # this rank's process only
@@ -197,7 +213,7 @@ def _offload_traffic(rank, world_size, fsdp):
     torch.manual_seed(0)
     model, optimizer = wrap(BUILD(), "zero3", world_size, offload_policy=CPUOffloadPolicy(pin_memory=False), fsdp=fsdp)
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
-    for step in range(2):  # the second step is measured: the first one also initialises the engine
+    for _step in range(2):  # the second step is measured: the first one also initialises the engine
         moved.update(to_device=0, to_host=0)
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
@@ -205,8 +221,11 @@ def _offload_traffic(rank, world_size, fsdp):
     return {**moved, "host": storage_bytes(getattr(t, "to_local", lambda: t)() for t in held)}  # DTensors: the shards
 
 
-@pytest.mark.parametrize("fsdp, options", [(FSDPOptions(), {}), (FSDPOptions(reshard_root=False), dict(fsdp_reshard_root=False))],
-                         ids=["default", "root kept gathered"])
+@pytest.mark.parametrize(
+    "fsdp, options",
+    [(FSDPOptions(), {}), (FSDPOptions(reshard_root=False), dict(fsdp_reshard_root=False))],
+    ids=["default", "root kept gathered"],
+)
 def test_offload_moves_what_fsdp2s_cpu_offload_copies(spec, fsdp, options):
     p = plan(spec, precision="fp32", optimizer="adamw", batch=BATCH, seq=SEQ, gpus=N, shard="zero3", **options)
     off = offload_prediction(p)
@@ -220,10 +239,13 @@ def test_offload_moves_what_fsdp2s_cpu_offload_copies(spec, fsdp, options):
 
 def _torchs_zero1_partition(rank, world_size):
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
     model = BUILD()
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
-    return [sorted(tuple(p.shape) for group in groups for p in group["params"])
-            for groups in optimizer._partition_parameters()]
+    return [
+        sorted(tuple(p.shape) for group in groups for p in group["params"])
+        for groups in optimizer._partition_parameters()
+    ]
 
 
 def test_zero1_partition_is_the_one_torchs_zero_redundancy_optimizer_makes(spec):
@@ -248,6 +270,7 @@ def test_zero1_steps_a_local_adamw_so_its_temporaries_are_the_partitions():
 
 def _fsdp_local_numel(rank, world_size):
     from course_lib.sharding.engines import wrap
+
     model, _ = wrap(BUILD(), "zero3", world_size)
     return sum(p.to_local().untyped_storage().nbytes() // 4 for p in model.parameters())
 
@@ -258,8 +281,17 @@ def test_fsdp_shards_are_the_padded_chunks_fully_shard_allocates(spec):
         assert fsdp_fraction(spec, n) * spec.n_params == run_ranks(_fsdp_local_numel, n, timeout_s=120)[0], n
 
 
-CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
-              "sharding_buffers", "optimizer_temporaries", "overhead")
+CATEGORIES = (
+    "weights",
+    "gradients",
+    "optimizer_state",
+    "master_weights",
+    "quantization",
+    "activations",
+    "sharding_buffers",
+    "optimizer_temporaries",
+    "overhead",
+)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -279,13 +311,23 @@ def test_categories_add_up_and_activations_do_not_depend_on_n(spec, stage):
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_an_8b_plan_names_its_peak_phase_and_its_categories_add_up(stage):
-    options = dict(precision="mixed-bf16", batch=1, seq=1024, checkpointing="every-layer", gpu="a100-40gb",
-                   suggest=False, shard=stage)
+    options = dict(
+        precision="mixed-bf16",
+        batch=1,
+        seq=1024,
+        checkpointing="every-layer",
+        gpu="a100-40gb",
+        suggest=False,
+        shard=stage,
+    )
     p4, p8 = plan("llama-3.1-8b", gpus=4, **options), plan("llama-3.1-8b", gpus=8, **options)
     for p in (p4, p8):
         assert sum(p.bytes[c] for c in CATEGORIES) == p.total
-        peaks = {"forward": p.detail["forward_peak"], "backward": p.detail["backward_peak"],
-                 "optimizer step": p.detail["optimizer_step_peak"]}
+        peaks = {
+            "forward": p.detail["forward_peak"],
+            "backward": p.detail["backward_peak"],
+            "optimizer step": p.detail["optimizer_step_peak"],
+        }
         assert p.total == max(peaks.values()) + p.bytes["overhead"]
         if p.detail["peak_phase"] == "optimizer step":
             assert p.bytes["optimizer_temporaries"] > 0 and p.bytes["gradients"] == p.detail["gradient_shards"]
@@ -300,8 +342,10 @@ CONFIGURATIONS = {  # FSDP2 as people configure it: (wrapping, param_dtype, redu
     "blocks": (FSDPOptions(), dict(precision="fp32")),
     "torchtitan": (FSDPOptions(wrapping="torchtitan"), dict(precision="fp32", fsdp_wrapping="torchtitan")),
     "bf16": (FSDPOptions(param_dtype=torch.bfloat16), dict(precision="mixed-bf16")),
-    "bf16, fp32 reduce": (FSDPOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                          dict(precision="mixed-bf16", fsdp_reduce_dtype="fp32")),
+    "bf16, fp32 reduce": (
+        FSDPOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        dict(precision="mixed-bf16", fsdp_reduce_dtype="fp32"),
+    ),
     "root kept gathered": (FSDPOptions(reshard_root=False), dict(precision="fp32", fsdp_reshard_root=False)),
 }
 
@@ -310,9 +354,13 @@ CONFIGURATIONS = {  # FSDP2 as people configure it: (wrapping, param_dtype, redu
 def configured():
     model = LARGE_VOCAB()
     spec = spec_from_model(model, "tiny llama, 32k vocabulary", model.config)
-    return spec, {name: {s.rank: s for s in measure_sharding(LARGE_VOCAB, N, ("zero3",), batch=BATCH, seq=SEQ,
-                                                               fsdp=fsdp, timeout_s=240)}
-                  for name, (fsdp, _) in CONFIGURATIONS.items()}
+    return spec, {
+        name: {
+            s.rank: s
+            for s in measure_sharding(LARGE_VOCAB, N, ("zero3",), batch=BATCH, seq=SEQ, fsdp=fsdp, timeout_s=240)
+        }
+        for name, (fsdp, _) in CONFIGURATIONS.items()
+    }
 
 
 @pytest.mark.parametrize("name", CONFIGURATIONS)
@@ -329,8 +377,10 @@ def test_torchtitans_wrapping_lowers_the_peak_and_sends_no_more(configured):
     for rank in range(N):
         blocks, titan = measured["blocks"][rank], measured["torchtitan"][rank]
         assert titan.peak < 0.9 * blocks.peak and titan.bytes_sent <= blocks.bytes_sent
-    planned = [plan(spec, precision="fp32", batch=BATCH, seq=SEQ, gpus=N, shard="zero3", fsdp_wrapping=w).total
-               for w in ("blocks", "torchtitan")]
+    planned = [
+        plan(spec, precision="fp32", batch=BATCH, seq=SEQ, gpus=N, shard="zero3", fsdp_wrapping=w).total
+        for w in ("blocks", "torchtitan")
+    ]
     assert planned[1] < 0.9 * planned[0]
 
 
@@ -359,18 +409,23 @@ def test_a_function_the_ranks_cannot_import_is_refused_in_one_line():
 
 def _fewest_from(start, model, setup, gpu, most=64, honour_most=True):
     from dataclasses import replace
+
     for n in range(start, (most if honour_most else 64) + 1):
         if plan(model, replace(setup, gpus=n), gpu=gpu, suggest=False).fits:
             return n
     return None
 
 
-@pytest.mark.parametrize("answer, message", [
-    (functools.partial(_fewest_from, 2), "start counting at 1"),
-    (functools.partial(_fewest_from, 1, honour_most=False), "up to 2 makes it fit"),
-])
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (functools.partial(_fewest_from, 2), "start counting at 1"),
+        (functools.partial(_fewest_from, 1, honour_most=False), "up to 2 makes it fit"),
+    ],
+)
 def test_the_fewest_gpus_check_catches_a_loop_from_2_and_one_past_most(answer, message):
     from course_lib.checks import check_fewest_gpus
+
     check_fewest_gpus(functools.partial(_fewest_from, 1))
     with pytest.raises(AssertionError, match=message):
         check_fewest_gpus(answer)
@@ -378,8 +433,12 @@ def test_the_fewest_gpus_check_catches_a_loop_from_2_and_one_past_most(answer, m
 
 def _states_by_kind(divide_weights_in_zero2=False, zero1_k=12, whole_weights_in_zero3=False):
     def answer(n_params, gpus, stage):
-        divided = {"none": (), "zero1": ("optimizer_states",), "zero2": ("optimizer_states", "gradients"),
-                   "zero3": ("optimizer_states", "gradients", "weights")}[stage]
+        divided = {
+            "none": (),
+            "zero1": ("optimizer_states",),
+            "zero2": ("optimizer_states", "gradients"),
+            "zero3": ("optimizer_states", "gradients", "weights"),
+        }[stage]
         if divide_weights_in_zero2 and stage == "zero2":  # wrong: the weights' partition, same total
             divided = ("optimizer_states", "weights")
         if whole_weights_in_zero3 and stage == "zero3":  # wrong: zero3 as zero2, only the weights differ
@@ -390,14 +449,17 @@ def _states_by_kind(divide_weights_in_zero2=False, zero1_k=12, whole_weights_in_
         if k != 12:  # wrong: the master weights left whole
             out["optimizer_states"] += (12 - k) * n_params
         return out
+
     return answer
 
 
 def _never(context=True, zero1_whole=4):
     def answer(n_params, stage, gpu):
         from course_lib.planner import CUDA_CONTEXT_BYTES, get_gpu
+
         undivided = {"none": 16, "zero1": zero1_whole, "zero2": 2, "zero3": 0}[stage] * n_params
         return undivided + CUDA_CONTEXT_BYTES * context > get_gpu(gpu).memory_bytes
+
     return answer
 
 
@@ -405,19 +467,29 @@ def _sent(zero1_passes=3, ring=True):
     def answer(param_bytes, world_size, stage):
         p = param_bytes * ((world_size - 1) / world_size if ring else 1)
         return {"none": 2, "zero1": zero1_passes, "zero2": 2, "zero3": 3}[stage] * p
+
     return answer
 
 
-@pytest.mark.parametrize("check, right, wrongs", [
-    ("check_model_states_per_gpu", _states_by_kind(),
-     [(_states_by_kind(divide_weights_in_zero2=True), "partitions the gradients, not the weights"),
-      (_states_by_kind(zero1_k=8), "include the fp32 master"),
-      (_states_by_kind(whole_weights_in_zero3=True), "weights expected")]),
-    ("check_never_fits", _never(), [(_never(context=False), "CUDA context"), (_never(zero1_whole=2), "zero1")]),
-    ("check_bytes_sent", _sent(), [(_sent(zero1_passes=2), "not the paper's 2"), (_sent(ring=False), "(N-1)/N")]),
-])
+@pytest.mark.parametrize(
+    "check, right, wrongs",
+    [
+        (
+            "check_model_states_per_gpu",
+            _states_by_kind(),
+            [
+                (_states_by_kind(divide_weights_in_zero2=True), "partitions the gradients, not the weights"),
+                (_states_by_kind(zero1_k=8), "include the fp32 master"),
+                (_states_by_kind(whole_weights_in_zero3=True), "weights expected"),
+            ],
+        ),
+        ("check_never_fits", _never(), [(_never(context=False), "CUDA context"), (_never(zero1_whole=2), "zero1")]),
+        ("check_bytes_sent", _sent(), [(_sent(zero1_passes=2), "not the paper's 2"), (_sent(ring=False), "(N-1)/N")]),
+    ],
+)
 def test_lesson_6_checks_pass_the_answer_and_fail_plausible_wrong_ones(check, right, wrongs):
     from course_lib import checks
+
     getattr(checks, check)(right)
     for wrong, message in wrongs:
         with pytest.raises(AssertionError, match=re.escape(message)):
@@ -436,8 +508,14 @@ def gpt2_steps():
     spec = spec_from_model(model, "tiny gpt2", model.config)
     layer_bytes = sum(p.numel() * p.element_size() for p in model.transformer.h[0].parameters())
     wrappings = {"blocks": FSDPOptions(), "torchtitan": FSDPOptions(wrapping="torchtitan")}
-    return spec, layer_bytes, {w: measure_sharding(GPT2, N, ("zero2", "zero3"), batch=GPT2_BATCH, seq=GPT2_SEQ, fsdp=fsdp,
-                                                   timeout_s=240) for w, fsdp in wrappings.items()}
+    return (
+        spec,
+        layer_bytes,
+        {
+            w: measure_sharding(GPT2, N, ("zero2", "zero3"), batch=GPT2_BATCH, seq=GPT2_SEQ, fsdp=fsdp, timeout_s=240)
+            for w, fsdp in wrappings.items()
+        },
+    )
 
 
 def test_zero3_plans_the_prefetched_layer_beside_the_roots_all_gather(gpt2_steps):
@@ -455,6 +533,14 @@ def test_torchtitans_head_group_plans_no_gradient_of_the_position_embeddings_at_
     the tail: the head's backward does not hold it (measured on gloo)."""
     spec, _, measured = gpt2_steps
     for step in measured["torchtitan"]:
-        predicted = plan(spec, precision="fp32", optimizer="adamw", batch=GPT2_BATCH, seq=GPT2_SEQ, gpus=N,
-                         shard=step.stage, fsdp_wrapping="torchtitan")
+        predicted = plan(
+            spec,
+            precision="fp32",
+            optimizer="adamw",
+            batch=GPT2_BATCH,
+            seq=GPT2_SEQ,
+            gpus=N,
+            shard=step.stage,
+            fsdp_wrapping="torchtitan",
+        )
         assert bounds(predicted.total, step) and predicted.total <= 1.06 * step.peak, (step.stage, step.rank)

@@ -18,10 +18,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = ROOT / "docs" / "references.md"
-NOTEBOOKS = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions", "exercises")
-                   for p in (ROOT / folder).glob("*.ipynb"))
-PACKAGE = sorted(p.relative_to(ROOT) for p in (ROOT / "course_lib").rglob("*")
-                 if p.is_file() and p.suffix in (".py", ".json", ".md", ".txt"))
+NOTEBOOKS = sorted(
+    p.relative_to(ROOT) for folder in ("notebooks", "solutions", "exercises") for p in (ROOT / folder).glob("*.ipynb")
+)
+PACKAGE = sorted(
+    p.relative_to(ROOT)
+    for p in (ROOT / "course_lib").rglob("*")
+    if p.is_file() and p.suffix in (".py", ".json", ".md", ".txt")
+)
 DOCS = sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))
 README = Path("README.md")
 
@@ -38,8 +42,10 @@ def reference_anchors() -> set[str]:
 
 
 def test_github_anchor_follows_githubs_rules():
-    assert github_anchor("Korthikanti et al. 2022, Reducing Activation Recomputation") == \
-        "korthikanti-et-al-2022-reducing-activation-recomputation"
+    assert (
+        github_anchor("Korthikanti et al. 2022, Reducing Activation Recomputation")
+        == "korthikanti-et-al-2022-reducing-activation-recomputation"
+    )
     assert github_anchor("torch 2.13.0 torch/optim/adamw.py, `zero_grad`") == "torch-2130-torchoptimadamwpy-zero_grad"
 
 
@@ -105,22 +111,32 @@ def test_each_explicit_id_is_the_github_anchor_of_the_heading_after_it():
 def test_every_reference_link_has_an_explicit_id_for_jupyterlab(path):
     ids = explicit_ids()
     missing = sorted({a for a in _link_targets(path) if a not in ids})
-    assert not missing, (f"{path} links to docs/references.md anchors without an explicit <a id=\"...\"></a> "
-                         f"on the line before their heading (JupyterLab lands such links at the top): {missing}")
+    assert not missing, (
+        f'{path} links to docs/references.md anchors without an explicit <a id="..."></a> '
+        f"on the line before their heading (JupyterLab lands such links at the top): {missing}"
+    )
 
 
 MYTHS = ROOT / "docs" / "myths.md"
 
 
 def myths_rows() -> list[str]:
-    return [line for line in MYTHS.read_text().splitlines()
-            if line.startswith("| ") and not line.startswith("| claim") and not line.startswith("|---")]
+    return [
+        line
+        for line in MYTHS.read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| claim") and not line.startswith("|---")
+    ]
 
 
 def notebook_headings(path: Path) -> set[str]:
     cells = nbformat.read(path, as_version=4).cells
-    return {line.lstrip("#").strip() for cell in cells if cell.cell_type == "markdown"
-            for line in cell.source.splitlines() if line.startswith("#")}
+    return {
+        line.lstrip("#").strip()
+        for cell in cells
+        if cell.cell_type == "markdown"
+        for line in cell.source.splitlines()
+        if line.startswith("#")
+    }
 
 
 def test_every_myth_has_a_verdict_a_number_and_the_cell_that_prints_it():
@@ -166,7 +182,7 @@ def committed_output_problems(path: Path) -> list[str]:
             for text in _output_texts(output):
                 match = MACHINE_PATH.search(text)
                 if match:
-                    problems.append(f"cell {number}: a machine path {text[match.start():match.start() + 60]!r}")
+                    problems.append(f"cell {number}: a machine path {text[match.start() : match.start() + 60]!r}")
                 for done, total in PROGRESS.findall(text):
                     if done != total:
                         problems.append(f"cell {number}: a progress bar stuck at {done}/{total}")
@@ -182,9 +198,11 @@ def test_committed_outputs_are_clean(path):
 def test_the_output_check_catches_what_it_looks_for(tmp_path):
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("x")
-    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text="warning"),
-                    nbformat.v4.new_output("stream", name="stdout", text="see /root/x.py"),
-                    nbformat.v4.new_output("display_data", data={"text/plain": "steps:   0%|    | 0/3 [00:00<?]"})]
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stderr", text="warning"),
+        nbformat.v4.new_output("stream", name="stdout", text="see /root/x.py"),
+        nbformat.v4.new_output("display_data", data={"text/plain": "steps:   0%|    | 0/3 [00:00<?]"}),
+    ]
     nb.cells = [cell]
     nbformat.write(nb, tmp_path / "bad.ipynb")
     problems = committed_output_problems(tmp_path / "bad.ipynb")
@@ -193,8 +211,10 @@ def test_the_output_check_catches_what_it_looks_for(tmp_path):
 
 # --- docs/myths.md: every measured number is in the output of the cells its row names ----------
 
-_NUMBER = re.compile(r"(?<![\w.,])(?:\d+\.\d+e[-+]?\d+|\d+e[-+]\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+"
-                     r"|\d+(?= (?:MiB|GiB|KiB|MB|GB|ms)\b))(?![\w.]*\d)")  # decimals, grouped, or with a unit
+_NUMBER = re.compile(
+    r"(?<![\w.,])(?:\d+\.\d+e[-+]?\d+|\d+e[-+]\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+"
+    r"|\d+(?= (?:MiB|GiB|KiB|MB|GB|ms)\b))(?![\w.]*\d)"
+)  # decimals, grouped, or with a unit
 _ANY_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
@@ -234,8 +254,11 @@ def _printed(quoted: str, output: str) -> bool:
     decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
     exponent = int(quoted.split("e")[1]) if "e" in quoted else 0
     step = 10.0 ** (exponent - decimals)
-    return any(abs(float(found.replace(",", "")) - value) <= step / 2 * (1 + 1e-9)
-               for found in _ANY_NUMBER.findall(output) if found.strip("+-,"))
+    return any(
+        abs(float(found.replace(",", "")) - value) <= step / 2 * (1 + 1e-9)
+        for found in _ANY_NUMBER.findall(output)
+        if found.strip("+-,")
+    )
 
 
 @pytest.mark.parametrize("row", _myths_rows(), ids=lambda row: row[0][:50])

@@ -13,9 +13,19 @@ from hypothesis import strategies as st
 from course_lib import planner
 from course_lib.measure import LiveStorageTracker, optimizer_state_tensors, peak_bytes, storage_bytes
 from course_lib.qlora import tiny_llama_config
-from course_lib.toolbox import (LEAN_OPTIMIZERS, HostOffload, OptimizerInBackward, accumulation_breaks,
-                                bytes_per_parameter, chunked_causal_lm_loss, chunked_cross_entropy, clipping_breaks,
-                                state_tensors, stepped_optimizer, transfer_seconds)
+from course_lib.toolbox import (
+    LEAN_OPTIMIZERS,
+    HostOffload,
+    OptimizerInBackward,
+    accumulation_breaks,
+    bytes_per_parameter,
+    chunked_causal_lm_loss,
+    chunked_cross_entropy,
+    clipping_breaks,
+    state_tensors,
+    stepped_optimizer,
+    transfer_seconds,
+)
 
 CPU = torch.device("cpu")
 
@@ -36,8 +46,9 @@ def tiny_llama(vocab: int = 4096, layers: int = 2):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_llama_config(hidden=64, layers=layers, heads=4, kv_heads=2,
-                                                              intermediate=128, vocab=vocab))
+    return AutoModelForCausalLM.from_config(
+        tiny_llama_config(hidden=64, layers=layers, heads=4, kv_heads=2, intermediate=128, vocab=vocab)
+    )
 
 
 def _grads(model):
@@ -48,6 +59,7 @@ def _grads(model):
 # Optimizer step in backward
 # ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("make_optimizer", [adamw, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)])
 def test_optimizer_in_backward_gives_the_same_weights(make_optimizer):
     torch.manual_seed(0)
@@ -55,7 +67,7 @@ def test_optimizer_in_backward_gives_the_same_weights(make_optimizer):
     fused.load_state_dict(plain.state_dict())
     optimizer = make_optimizer(list(plain.parameters()))
     in_backward = OptimizerInBackward(fused.parameters(), make_optimizer)
-    for step in range(4):
+    for _ in range(4):
         x = torch.randn(8, 128)
         optimizer.zero_grad(set_to_none=True)
         square_loss(plain, x).backward()
@@ -66,8 +78,9 @@ def test_optimizer_in_backward_gives_the_same_weights(make_optimizer):
         assert torch.equal(p, q)
     assert set(in_backward.steps.values()) == {4}
     in_backward.step()  # nothing to do: loops that call it keep working
-    assert set(in_backward.state) == set(fused.parameters()) and all(torch.equal(p, q) for p, q in
-                                                                      zip(plain.parameters(), fused.parameters()))
+    assert set(in_backward.state) == set(fused.parameters()) and all(
+        torch.equal(p, q) for p, q in zip(plain.parameters(), fused.parameters())
+    )
     in_backward.remove()
     square_loss(fused, x).backward()  # hooks removed: gradients stay
     assert all(p.grad is not None for p in fused.parameters())
@@ -82,11 +95,13 @@ def test_optimizer_in_backward_lowers_the_measured_peak():
     square_loss(plain, x).backward(), optimizer.step(), optimizer.zero_grad(set_to_none=True)
     square_loss(fused, x).backward()  # both optimizers have their state now
     state = [v for s in optimizer.state.values() for v in s.values()]
-    normal = peak_bytes(lambda: (square_loss(plain, x).backward(), optimizer.step()),
-                        [*plain.parameters(), *state, x], CPU)
+    normal = peak_bytes(
+        lambda: (square_loss(plain, x).backward(), optimizer.step()), [*plain.parameters(), *state, x], CPU
+    )
     optimizer.zero_grad(set_to_none=True)
-    fused_peak = peak_bytes(lambda: square_loss(fused, x).backward(),
-                            [*fused.parameters(), *optimizer_state_tensors(in_backward), x], CPU)
+    fused_peak = peak_bytes(
+        lambda: square_loss(fused, x).backward(), [*fused.parameters(), *optimizer_state_tensors(in_backward), x], CPU
+    )
     gradients = storage_bytes(plain.parameters())  # all gradients, fp32 like the weights
     largest = max(p.numel() * 4 for p in plain.parameters())
     assert normal - fused_peak >= gradients - 2 * largest
@@ -116,31 +131,45 @@ def test_optimizer_in_backward_needs_trainable_parameters():
 # Chunked cross-entropy
 # ---------------------------------------------------------------------------------------------------
 
+
 def hf_loss(logits, labels, ignore_index=-100, num_items_in_batch=None):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    return ForCausalLMLoss(logits, labels, logits.shape[-1], num_items_in_batch=num_items_in_batch,
-                           ignore_index=ignore_index)
+    return ForCausalLMLoss(
+        logits, labels, logits.shape[-1], num_items_in_batch=num_items_in_batch, ignore_index=ignore_index
+    )
 
 
 @settings(max_examples=20, deadline=None)
-@given(batch=st.integers(1, 3), seq=st.integers(1, 24), hidden=st.integers(1, 12), vocab=st.integers(2, 40),
-       chunk=st.integers(1, 30), ignore_index=st.sampled_from([-100, 0, -1]), padded=st.integers(0, 24),
-       bias=st.booleans(), items=st.booleans(), recompute=st.booleans(), seed=st.integers(0, 2**16))
-def test_chunked_loss_equals_the_plain_loss_and_every_gradient(batch, seq, hidden, vocab, chunk, ignore_index,
-                                                                padded, bias, items, recompute, seed):
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 24),
+    hidden=st.integers(1, 12),
+    vocab=st.integers(2, 40),
+    chunk=st.integers(1, 30),
+    ignore_index=st.sampled_from([-100, 0, -1]),
+    padded=st.integers(0, 24),
+    bias=st.booleans(),
+    items=st.booleans(),
+    recompute=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_loss_equals_the_plain_loss_and_every_gradient(
+    batch, seq, hidden, vocab, chunk, ignore_index, padded, bias, items, recompute, seed
+):
     generator = torch.Generator().manual_seed(seed)
     h = torch.randn(batch, seq, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
     w = torch.randn(vocab, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
     b = torch.randn(vocab, generator=generator, dtype=torch.float64, requires_grad=True) if bias else None
     labels = torch.randint(1, vocab, (batch, seq), generator=generator)
-    labels[:, seq - min(padded, seq):] = ignore_index  # right padding
+    labels[:, seq - min(padded, seq) :] = ignore_index  # right padding
     count = int((F.pad(labels, (0, 1), value=ignore_index)[..., 1:] != ignore_index).sum())
     num_items = count + 3 if items else None
     plain = hf_loss(F.linear(h, w, b), labels, ignore_index, num_items)
     plain_grads = torch.autograd.grad(plain, [h, w] + ([b] if bias else []), allow_unused=True)
-    chunked = chunked_cross_entropy(h, w, labels, chunk, bias=b, ignore_index=ignore_index,
-                                    num_items_in_batch=num_items, recompute=recompute)
+    chunked = chunked_cross_entropy(
+        h, w, labels, chunk, bias=b, ignore_index=ignore_index, num_items_in_batch=num_items, recompute=recompute
+    )
     if count == 0 and not items:  # nothing to score: HF's mean is 0/0; ours is 0, never a silent NaN
         assert torch.isnan(plain) and chunked.item() == 0
         return
@@ -204,6 +233,7 @@ def test_chunked_loss_refuses_labels_of_another_shape():
 # Activation offloading
 # ---------------------------------------------------------------------------------------------------
 
+
 def _offload_step(model, ids, context):
     model.zero_grad(set_to_none=True)
 
@@ -211,6 +241,7 @@ def _offload_step(model, ids, context):
         with context:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+
     return peak_bytes(step, [*model.parameters(), ids], CPU)
 
 
@@ -239,6 +270,7 @@ def test_transfer_seconds_at_the_t4_link():
 # Lean optimizers: measured state against the planner's
 # ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(LEAN_OPTIMIZERS))
 def test_measured_state_equals_the_planners(name):
     torch.manual_seed(0)
@@ -260,6 +292,7 @@ def test_lean_optimizers_keep_less_than_adamw():
 
 # The exercise checks of lesson 7 reject wrong answers, each at the property it breaks.
 
+
 def _hooks(free: bool, free_first: bool = False, steps: int = 1, shared: bool = False):
     def attach(model, make_optimizer):
         one = make_optimizer(list(model.parameters())) if shared else None  # wrong: one optimizer for all
@@ -272,14 +305,17 @@ def _hooks(free: bool, free_first: bool = False, steps: int = 1, shared: bool = 
                 optimizers[param].step()
             if free:
                 optimizers[param].zero_grad(set_to_none=True)
+
         for p in optimizers:
             p.register_post_accumulate_grad_hook(hook)
         return optimizers
+
     return attach
 
 
-def _chunked(shift: bool = True, by_chunks: bool = False, recompute: bool = True, upcast: bool = True,
-             whole: bool = False):
+def _chunked(
+    shift: bool = True, by_chunks: bool = False, recompute: bool = True, upcast: bool = True, whole: bool = False
+):
     def loss(hidden, weight, labels, chunk_size):
         targets = (F.pad(labels, (0, 1), value=-100)[..., 1:] if shift else labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -288,9 +324,13 @@ def _chunked(shift: bool = True, by_chunks: bool = False, recompute: bool = True
         def part(h, y):
             logits = F.linear(h, weight)
             return F.cross_entropy(logits.float() if upcast else logits, y, ignore_index=-100, reduction="sum")
-        parts = [torch.utils.checkpoint.checkpoint(part, h, y, use_reentrant=False) if recompute else part(h, y)
-                 for h, y in zip(flat.split(size), targets.split(size))]
+
+        parts = [
+            torch.utils.checkpoint.checkpoint(part, h, y, use_reentrant=False) if recompute else part(h, y)
+            for h, y in zip(flat.split(size), targets.split(size))
+        ]
         return sum(parts) / (len(parts) if by_chunks else (targets != -100).sum())
+
     return loss
 
 
@@ -300,16 +340,20 @@ def test_exercise_checks_accept_a_right_answer_and_reject_wrong_ones(capsys):
     checks.check_optimizer_in_backward(_hooks(free=True))
     checks.check_chunked_loss(_chunked())
     assert capsys.readouterr().out.count("Correct") == 2
-    for wrong, message in ((_hooks(free=False), "still has a gradient"),
-                           (_hooks(free=True, free_first=True), "never updated"),
-                           (_hooks(free=True, steps=2), "once per backward"),
-                           (_hooks(free=True, shared=True), "distinct optimizer objects")):
+    for wrong, message in (
+        (_hooks(free=False), "still has a gradient"),
+        (_hooks(free=True, free_first=True), "never updated"),
+        (_hooks(free=True, steps=2), "once per backward"),
+        (_hooks(free=True, shared=True), "distinct optimizer objects"),
+    ):
         with pytest.raises(AssertionError, match=message):
             checks.check_optimizer_in_backward(wrong)
-    for wrong, message in ((_chunked(shift=False), "shift the labels"),
-                           (_chunked(by_chunks=True), "number of scored tokens"),
-                           (_chunked(recompute=False), "not below one set"),
-                           (_chunked(upcast=False), "upcast each chunk's logits"),
-                           (_chunked(whole=True), "at most chunk_size")):
+    for wrong, message in (
+        (_chunked(shift=False), "shift the labels"),
+        (_chunked(by_chunks=True), "number of scored tokens"),
+        (_chunked(recompute=False), "not below one set"),
+        (_chunked(upcast=False), "upcast each chunk's logits"),
+        (_chunked(whole=True), "at most chunk_size"),
+    ):
         with pytest.raises(AssertionError, match=message):
             checks.check_chunked_loss(wrong)

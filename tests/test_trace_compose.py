@@ -50,9 +50,17 @@ def test_five_sliding_layers_to_one_global_are_composed_with_their_period():
 
     from course_lib.models import build_model, spec_from_model
 
-    config = AutoConfig.for_model("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=36,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-                                  sliding_window=8)
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=36,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        sliding_window=8,
+    )
     spec, setup, depths = spec_from_model(build_model(config), "tiny-gemma-3", config), planner.Setup(seq=32), []
 
     def counted(spec, setup, target):
@@ -79,6 +87,7 @@ def traced(monkeypatch) -> list:
     def spy(spec, setup, target):
         calls.append((spec, setup))
         return real(spec, setup, target)
+
     monkeypatch.setattr(memory_trace, "_trace", spy)
     monkeypatch.setattr(memory_trace, "_TRACES", {})
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
@@ -141,4 +150,6 @@ def test_precisions_of_the_same_dtypes_share_one_trace(traced):
     planner.plan("gpt2", precision="bf16", seq=32, optimizer_in_backward=True)
     planner.plan("gpt2", precision="mixed-bf16", seq=32, optimizer_in_backward=True)
     # gpt2's 12 layers composed from 3 and 4
-    assert [setup.precision for _, setup in traced] == ["bf16"] * 2 + ["amp-bf16"] * 2 + ["bf16"] * 2 + ["mixed-bf16"] * 2
+    assert [setup.precision for _, setup in traced] == ["bf16"] * 2 + ["amp-bf16"] * 2 + ["bf16"] * 2 + [
+        "mixed-bf16"
+    ] * 2

@@ -12,6 +12,7 @@ from course_lib import validate
 from course_lib.accumulation.losses import IGNORE_INDEX, Batch
 from course_lib.errors import UserError, UserTypeError
 
+
 def batch_size(batch: Batch) -> int:
     """Number of rows (samples or sequences) of a batch."""
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
@@ -44,8 +45,7 @@ def split_batch(batch: Batch, k: int) -> list[Batch]:
     return [tuple(column[i] for column in columns) for i in range(k)]
 
 
-def concat_batches(batches: Sequence[Batch], pad_token_id: int = 0,
-                   ignore_index: int = IGNORE_INDEX) -> Batch:
+def concat_batches(batches: Sequence[Batch], pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX) -> Batch:
     """Concatenate micro-batches into one batch; token batches are right-padded to a common length."""
     if not batches:
         raise UserError("nothing to concatenate")
@@ -62,17 +62,20 @@ def concat_batches(batches: Sequence[Batch], pad_token_id: int = 0,
 
 def cast_batch(batch: Batch, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Batch:
     """Move a batch to `device` and cast its floating tensors to `dtype` (integer tensors keep theirs)."""
+
     def move(t: torch.Tensor) -> torch.Tensor:
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         return t.to(device) if device is not None else t
+
     if isinstance(batch, dict):
         return {key: move(value) for key, value in batch.items()}
     return tuple(move(t) for t in batch)
 
 
-def padded_token_examples(n: int, vocab_size: int = 32, max_len: int = 12, min_len: int = 2,
-                          seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def padded_token_examples(
+    n: int, vocab_size: int = 32, max_len: int = 12, min_len: int = 2, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
     """`n` random token sequences of random lengths in [min_len, max_len] (lesson 2, generated data).
 
     Each example is a dict with `input_ids` and `labels` (a copy: the model learns to predict the
@@ -89,8 +92,9 @@ def padded_token_examples(n: int, vocab_size: int = 32, max_len: int = 12, min_l
     return examples
 
 
-def collate_padded(examples: Sequence[dict[str, Any]], pad_token_id: int = 0,
-                   ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+def collate_padded(
+    examples: Sequence[dict[str, Any]], pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
+) -> dict[str, torch.Tensor]:
     """Right-pad variable-length examples to the longest one: input_ids, attention_mask, labels.
 
     Padding positions get `pad_token_id`, attention 0 and label `ignore_index`, so that they count
@@ -108,19 +112,30 @@ def collate_padded(examples: Sequence[dict[str, Any]], pad_token_id: int = 0,
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def padded_token_batches(n_batches: int, batch_size: int = 4, vocab_size: int = 32, max_len: int = 12,
-                         min_len: int = 2, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def padded_token_batches(
+    n_batches: int, batch_size: int = 4, vocab_size: int = 32, max_len: int = 12, min_len: int = 2, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
     """`n_batches` padded token micro-batches of `batch_size` random-length sequences (lesson 2)."""
-    n_batches, batch_size, vocab_size, max_len, min_len = (validate.positive_int(name, value) for name, value in (
-        ("n_batches", n_batches), ("batch_size", batch_size), ("vocab_size", vocab_size), ("max_len", max_len),
-        ("min_len", min_len)))
+    n_batches, batch_size, vocab_size, max_len, min_len = (
+        validate.positive_int(name, value)
+        for name, value in (
+            ("n_batches", n_batches),
+            ("batch_size", batch_size),
+            ("vocab_size", vocab_size),
+            ("max_len", max_len),
+            ("min_len", min_len),
+        )
+    )
     examples = padded_token_examples(n_batches * batch_size, vocab_size, max_len, min_len, seed)
-    return [collate_padded(examples[i * batch_size:(i + 1) * batch_size]) for i in range(n_batches)]
+    return [collate_padded(examples[i * batch_size : (i + 1) * batch_size]) for i in range(n_batches)]
 
 
-def regression_batches(n_batches: int, batch_size: int = 4, in_features: int = 8, out_features: int = 4,
-                       seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def regression_batches(
+    n_batches: int, batch_size: int = 4, in_features: int = 8, out_features: int = 4, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`n_batches` random `(inputs, targets)` micro-batches for a per-sample loss (lesson 2)."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch_size, in_features, generator=gen), torch.randn(batch_size, out_features, generator=gen))
-            for _ in range(n_batches)]
+    return [
+        (torch.randn(batch_size, in_features, generator=gen), torch.randn(batch_size, out_features, generator=gen))
+        for _ in range(n_batches)
+    ]

@@ -11,14 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from course_lib.errors import UserError
 from course_lib.accumulation.batches import batch_size, cast_batch, check_accumulation_steps
 from course_lib.accumulation.equivalence import DtypeComparison, _max_abs, _model_device, compare_accumulation
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss, default_loss
 from course_lib.accumulation.tiny_models import _groups
 from course_lib.course import wrapped
+from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
-
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -127,8 +126,11 @@ def ghost_batchnorm(model: nn.Module, virtual_batch_size: int) -> nn.Module:
 
 
 @torch.no_grad()
-def freeze_batchnorm_stats(model: nn.Module, calibration_batches: Iterable[Batch] | None = None,
-                           forward: Callable[[nn.Module, Batch], Any] | None = None) -> nn.Module:
+def freeze_batchnorm_stats(
+    model: nn.Module,
+    calibration_batches: Iterable[Batch] | None = None,
+    forward: Callable[[nn.Module, Batch], Any] | None = None,
+) -> nn.Module:
     """A copy of `model` whose BatchNorms normalise with running statistics, frozen (remedy 2b).
 
     With `calibration_batches`, the running statistics are first re-estimated over them (cumulative
@@ -177,7 +179,7 @@ class RemedyRow:
     remedy: str
     max_rel_grad: float
     max_running_stat_diff: float
-    batches_tracked: str   # "whole / accumulated"
+    batches_tracked: str  # "whole / accumulated"
     fixes: str
     does_not_fix: str
     vs_batchnorm_whole: float = 0.0  # its whole-batch gradient vs plain BatchNorm's (relative to the largest entry)
@@ -198,12 +200,16 @@ class RemedyReport(PlainTextTable):
 
     def __str__(self) -> str:
         width = max(len(r.remedy) for r in self.rows)
-        lines = [f"BatchNorm and {self.k}-step accumulation (float64)",
-                 f"  {'remedy':<{width}}  {'rel grad diff':>13}  {'running-stat diff':>17}  "
-                 f"{'batches tracked':>15}  {'vs plain BN whole':>17}"]
+        lines = [
+            f"BatchNorm and {self.k}-step accumulation (float64)",
+            f"  {'remedy':<{width}}  {'rel grad diff':>13}  {'running-stat diff':>17}  "
+            f"{'batches tracked':>15}  {'vs plain BN whole':>17}",
+        ]
         for r in self.rows:
-            lines.append(f"  {r.remedy:<{width}}  {r.max_rel_grad:>13.1e}  {r.max_running_stat_diff:>17.1e}  "
-                         f"{r.batches_tracked:>15}  {r.vs_batchnorm_whole:>17.1e}")
+            lines.append(
+                f"  {r.remedy:<{width}}  {r.max_rel_grad:>13.1e}  {r.max_running_stat_diff:>17.1e}  "
+                f"{r.batches_tracked:>15}  {r.vs_batchnorm_whole:>17.1e}"
+            )
         return "\n".join(lines)
 
     def notes(self) -> str:
@@ -211,28 +217,46 @@ class RemedyReport(PlainTextTable):
         return wrapped("\n".join(f"- {r.remedy}: fixes {r.fixes}; does not fix: {r.does_not_fix}" for r in self.rows))
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in ("remedy", "max rel grad diff", "running-stat diff",
-                                                  "num_batches_tracked whole / acc.",
-                                                  "whole-batch gradient vs plain BatchNorm", "fixes", "does not fix"))
+        head = "".join(
+            f"<th>{h}</th>"
+            for h in (
+                "remedy",
+                "max rel grad diff",
+                "running-stat diff",
+                "num_batches_tracked whole / acc.",
+                "whole-batch gradient vs plain BatchNorm",
+                "fixes",
+                "does not fix",
+            )
+        )
         body = "".join(
             f"<tr><td>{html.escape(r.remedy)}</td><td>{r.max_rel_grad:.1e}</td><td>{r.max_running_stat_diff:.1e}</td>"
             f"<td>{html.escape(r.batches_tracked)}</td><td>{r.vs_batchnorm_whole:.1e}</td>"
             f"<td style='text-align:left'>{html.escape(r.fixes)}</td>"
-            f"<td style='text-align:left'>{html.escape(r.does_not_fix)}</td></tr>" for r in self.rows)
+            f"<td style='text-align:left'>{html.escape(r.does_not_fix)}</td></tr>"
+            for r in self.rows
+        )
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
 REMEDY_NOTES = {
     "BatchNorm (no remedy)": ("nothing", "gradients and running statistics both depend on the micro-batch"),
-    "GroupNorm instead": ("exact accumulation; no running statistics; same in train and eval",
-                          "a different model: BatchNorm weights/statistics do not carry over, accuracy may change"),
-    "LayerNorm instead (GroupNorm(1, C))": ("exact accumulation; no running statistics; same in train and eval",
-                                            "a different model, as for GroupNorm"),
+    "GroupNorm instead": (
+        "exact accumulation; no running statistics; same in train and eval",
+        "a different model: BatchNorm weights/statistics do not carry over, accuracy may change",
+    ),
+    "LayerNorm instead (GroupNorm(1, C))": (
+        "exact accumulation; no running statistics; same in train and eval",
+        "a different model, as for GroupNorm",
+    ),
     "ghost batches of the micro-batch size": (
         "accumulation equals the whole batch computed with ghost batches: gradients and running statistics agree",
-        "statistics still come from one micro-batch (noisy when small), not from the effective batch"),
-    "frozen statistics": ("exact accumulation; statistics no longer depend on the micro-batch",
-                          "statistics are stale: they do not follow the features as training changes them"),
+        "statistics still come from one micro-batch (noisy when small), not from the effective batch",
+    ),
+    "frozen statistics": (
+        "exact accumulation; statistics no longer depend on the micro-batch",
+        "statistics are stale: they do not follow the features as training changes them",
+    ),
 }
 
 
@@ -243,9 +267,13 @@ def _running_stats(c: DtypeComparison) -> tuple[float, str]:
     return stat, text
 
 
-def compare_batchnorm_remedies(model: nn.Module, batch: Batch, k: int,
-                               loss: SampleLoss | TokenLoss | None = None,
-                               dtype: torch.dtype = torch.float64) -> RemedyReport:
+def compare_batchnorm_remedies(
+    model: nn.Module,
+    batch: Batch,
+    k: int,
+    loss: SampleLoss | TokenLoss | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> RemedyReport:
     """Measure the BatchNorm failure and each remedy on the same model and batch (lesson 2).
 
     For each variant: how far accumulation is from its own whole batch (gradients, running

@@ -14,18 +14,20 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from course_lib import validate
 from course_lib.accumulation.batches import padded_token_batches
 from course_lib.accumulation.loop import AccumulationLoop, TrainResult, max_weight_difference, train_whole_windows
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss
 from course_lib.accumulation.tiny_models import TinyTokenLM
-from course_lib import validate
 from course_lib.errors import UserError
 
 
 def _own_count(counts: list[int], i: int) -> int:
     if counts[i] == 0:
-        raise UserError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
-                        "the global normalisation (sum / window count) has no such problem")
+        raise UserError(
+            f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
+            "the global normalisation (sum / window count) has no such problem"
+        )
     return counts[i]
 
 
@@ -148,8 +150,15 @@ def loop_class(mistakes: Sequence[str] = ()) -> type[AccumulationLoop]:
     return BROKEN_LOOPS[mistakes[0]] if mistakes else AccumulationLoop
 
 
-def train_with_mistake(mistake: str, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[Batch],
-                       loss: SampleLoss | TokenLoss, accumulation_steps: int, **options) -> TrainResult:
+def train_with_mistake(
+    mistake: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Batch],
+    loss: SampleLoss | TokenLoss,
+    accumulation_steps: int,
+    **options,
+) -> TrainResult:
     """`train_with_accumulation`, with the broken loop `BROKEN_LOOPS[mistake]` instead of the reference."""
     return loop_class((mistake,))(model, optimizer, loss, accumulation_steps, **options).run(batches)
 
@@ -157,7 +166,7 @@ def train_with_mistake(mistake: str, model: nn.Module, optimizer: torch.optim.Op
 def sgd_and_schedule(model: nn.Module, lr: float = 0.5):
     """SGD with momentum and a halving schedule: the setup that makes each mistake visible (lesson 2)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     return opt, sched
 
 
@@ -170,8 +179,11 @@ def demonstrate_mistakes(mistakes: Iterable[str] | None = None, seed: int = 0) -
     weight difference); "none" (the reference loop) first. The DDP mistakes need two processes: see
     `ddp_accumulation_demo`.
     """
-    names = ["none"] + list(validate.choices("mistakes", mistakes, sorted(BROKEN_LOOPS)) if mistakes is not None else
-                            [m for m in BROKEN_LOOPS if m not in DDP_MISTAKES])
+    names = ["none"] + list(
+        validate.choices("mistakes", mistakes, sorted(BROKEN_LOOPS))
+        if mistakes is not None
+        else [m for m in BROKEN_LOOPS if m not in DDP_MISTAKES]
+    )
     batches = padded_token_batches(10, batch_size=3, seed=seed)
     loss = TokenLoss()
     out = []

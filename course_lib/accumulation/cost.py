@@ -21,14 +21,14 @@ class CostRow:
 
     micro_batch: int
     k: int
-    flops: int                 # forward + backward FLOPs of one optimizer step (all K micro-batches)
-    ms_per_step: float         # best time of one optimizer step (K forward/backward + step) over the repeats
-    peak_bytes: int            # peak live bytes during one optimizer step (absolute)
+    flops: int  # forward + backward FLOPs of one optimizer step (all K micro-batches)
+    ms_per_step: float  # best time of one optimizer step (K forward/backward + step) over the repeats
+    peak_bytes: int  # peak live bytes during one optimizer step (absolute)
     parameters: int
     gradients: int
     optimizer_state: int
     saved_per_micro_batch: int  # bytes autograd saves for backward in one micro-batch's forward
-    inputs: int = 0            # bytes of the window's data (all K micro-batches, inputs and targets)
+    inputs: int = 0  # bytes of the window's data (all K micro-batches, inputs and targets)
 
     @property
     def fixed_bytes(self) -> int:
@@ -53,9 +53,16 @@ def cost_model(width: int = 512, depth: int = 4, seed: int = 0) -> nn.Sequential
     return nn.Sequential(*layers)
 
 
-def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence[int] = (64, 16, 4, 1),
-                              width: int = 256, depth: int = 4, seq_len: int = 32, repeats: int = 3,
-                              device: torch.device | str | None = None, seed: int = 0) -> list[CostRow]:
+def measure_accumulation_cost(
+    effective_batch: int = 64,
+    micro_batches: Sequence[int] = (64, 16, 4, 1),
+    width: int = 256,
+    depth: int = 4,
+    seq_len: int = 32,
+    repeats: int = 3,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> list[CostRow]:
     """Time, peak memory and FLOPs of one optimizer step vs micro-batch size (lesson 2).
 
     The effective batch is fixed; each micro-batch size b runs K = effective_batch / b forward and
@@ -85,7 +92,7 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
     for b in micro_batches:
         model = cost_model(width, depth, seed).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        micro = [(x_all[i:i + b].clone(), y_all[i:i + b].clone()) for i in range(0, effective_batch, b)]
+        micro = [(x_all[i : i + b].clone(), y_all[i : i + b].clone()) for i in range(0, effective_batch, b)]
 
         def forward_backward(model=model, micro=micro) -> None:
             for x, y in micro:
@@ -116,11 +123,20 @@ def measure_accumulation_cost(effective_batch: int = 64, micro_batches: Sequence
         peak = peak_bytes(step, params + optimizer_state_tensors(opt) + data, device)
         with SavedTensorRecorder(params) as saved_by_one_micro_batch:
             F.mse_loss(model(micro[0][0]), micro[0][1])
-        rows.append(CostRow(micro_batch=b, k=len(micro), flops=int(counter.get_total_flops()),
-                            ms_per_step=min(times[b]), peak_bytes=int(peak), parameters=storage_bytes(params),
-                            gradients=storage_bytes(params),  # one gradient per parameter, same shape and dtype
-                            optimizer_state=storage_bytes(optimizer_state_tensors(opt)),
-                            saved_per_micro_batch=saved_by_one_micro_batch.bytes, inputs=storage_bytes(data)))
+        rows.append(
+            CostRow(
+                micro_batch=b,
+                k=len(micro),
+                flops=int(counter.get_total_flops()),
+                ms_per_step=min(times[b]),
+                peak_bytes=int(peak),
+                parameters=storage_bytes(params),
+                gradients=storage_bytes(params),  # one gradient per parameter, same shape and dtype
+                optimizer_state=storage_bytes(optimizer_state_tensors(opt)),
+                saved_per_micro_batch=saved_by_one_micro_batch.bytes,
+                inputs=storage_bytes(data),
+            )
+        )
     return rows
 
 
@@ -131,11 +147,15 @@ def format_cost_table(rows: Sequence[CostRow]) -> str:
     memory traffic of the K-1 gradient additions it does not count (`CostRow.grad_add_bytes`)."""
 
     base = max(rows, key=lambda r: r.micro_batch)
-    lines = [f"{'micro':>5} {'K':>4} {'GFLOP/step':>10} {'.grad adds':>11} {'ms/step':>9} {'x time':>7} {'peak':>11} "
-             f"{'x peak':>7} {'saved/micro':>11} {'params+grads+Adam':>18}"]
+    lines = [
+        f"{'micro':>5} {'K':>4} {'GFLOP/step':>10} {'.grad adds':>11} {'ms/step':>9} {'x time':>7} {'peak':>11} "
+        f"{'x peak':>7} {'saved/micro':>11} {'params+grads+Adam':>18}"
+    ]
     for r in rows:
-        lines.append(f"{r.micro_batch:>5} {r.k:>4} {r.flops / 1e9:>10.3f} {format_bytes(r.grad_add_bytes):>11} "
-                     f"{r.ms_per_step:>9.1f} {r.ms_per_step / base.ms_per_step:>7.2f} "
-                     f"{format_bytes(r.peak_bytes):>11} {r.peak_bytes / base.peak_bytes:>7.2f} "
-                     f"{format_bytes(r.saved_per_micro_batch):>11} {format_bytes(r.fixed_bytes):>18}")
+        lines.append(
+            f"{r.micro_batch:>5} {r.k:>4} {r.flops / 1e9:>10.3f} {format_bytes(r.grad_add_bytes):>11} "
+            f"{r.ms_per_step:>9.1f} {r.ms_per_step / base.ms_per_step:>7.2f} "
+            f"{format_bytes(r.peak_bytes):>11} {r.peak_bytes / base.peak_bytes:>7.2f} "
+            f"{format_bytes(r.saved_per_micro_batch):>11} {format_bytes(r.fixed_bytes):>18}"
+        )
     return "\n".join(lines)

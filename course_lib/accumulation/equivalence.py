@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib.errors import UserError
 from course_lib.accumulation.batches import batch_size, cast_batch, check_accumulation_steps, split_batch
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss, default_loss
+from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
 
 
@@ -27,8 +27,8 @@ class GradientDiff:
     """Largest gradient difference of one parameter: whole batch vs accumulated."""
 
     name: str
-    max_abs: float   # max |g_acc - g_whole|
-    max_rel: float   # max_abs / max |g_whole|, see `compare_accumulation`
+    max_abs: float  # max |g_acc - g_whole|
+    max_rel: float  # max_abs / max |g_whole|, see `compare_accumulation`
     exact_zero: bool = False  # the whole-batch gradient is zero up to rounding (measured against the model's)
 
 
@@ -37,7 +37,7 @@ class BufferDiff:
     """A buffer (running mean/var, num_batches_tracked) after the whole batch vs after accumulation."""
 
     name: str
-    whole: float | int   # the value for a scalar buffer, else the max |value|
+    whole: float | int  # the value for a scalar buffer, else the max |value|
     accumulated: float | int
     max_abs: float
 
@@ -78,8 +78,14 @@ class DtypeComparison:
         return None
 
 
-_SUMMARY_HEADER = ("dtype", "max rel grad diff", "max abs grad diff", "running-stat diff",
-                   "batches tracked whole / acc.", "loss whole / accumulated")
+_SUMMARY_HEADER = (
+    "dtype",
+    "max rel grad diff",
+    "max abs grad diff",
+    "running-stat diff",
+    "batches tracked whole / acc.",
+    "loss whole / accumulated",
+)
 
 
 @dataclass
@@ -99,14 +105,23 @@ class AccumulationReport(PlainTextTable):
         rows = []
         for name, c in self.comparisons.items():
             tracked = c.batches_tracked
-            rows.append((name, f"{c.max_rel_grad:.2e}", f"{c.max_abs_grad:.2e}", f"{c.max_running_stat_diff:.3g}",
-                         "-" if tracked is None else f"{tracked[0]} / {tracked[1]}",
-                         f"{c.loss_whole:.6f} / {c.loss_accumulated:.6f}"))
+            rows.append(
+                (
+                    name,
+                    f"{c.max_rel_grad:.2e}",
+                    f"{c.max_abs_grad:.2e}",
+                    f"{c.max_running_stat_diff:.3g}",
+                    "-" if tracked is None else f"{tracked[0]} / {tracked[1]}",
+                    f"{c.loss_whole:.6f} / {c.loss_accumulated:.6f}",
+                )
+            )
         return rows
 
     def __str__(self) -> str:
-        lines = [f"Whole batch vs {self.k} micro-batches ({self.normalization} normalisation), "
-                 f"rows per micro-batch {self.micro_batch_rows}, items {self.micro_batch_items}"]
+        lines = [
+            f"Whole batch vs {self.k} micro-batches ({self.normalization} normalisation), "
+            f"rows per micro-batch {self.micro_batch_rows}, items {self.micro_batch_items}"
+        ]
         table = [_SUMMARY_HEADER, *self.summary_rows()]
         widths = [max(len(row[i]) for row in table) for i in range(len(_SUMMARY_HEADER))]
         for row in table:
@@ -122,8 +137,9 @@ class AccumulationReport(PlainTextTable):
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in _SUMMARY_HEADER)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                       for row in self.summary_rows())
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.summary_rows()
+        )
         caption = html.escape(f"Whole batch vs {self.k} micro-batches ({self.normalization} normalisation)")
         return f"<table><caption>{caption}</caption><tr>{head}</tr>{body}</table>"
 
@@ -147,12 +163,15 @@ def _relative(diff: float, reference: float) -> float:
 def _check_no_dropout(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            raise UserError(f"{name or 'the model'} is Dropout(p={module.p}): the whole batch and the micro-batches "
-                            "would draw different masks, so the comparison would measure randomness. Set p=0.")
+            raise UserError(
+                f"{name or 'the model'} is Dropout(p={module.p}): the whole batch and the micro-batches "
+                "would draw different masks, so the comparison would measure randomness. Set p=0."
+            )
 
 
-def micro_batch_losses(loss: SampleLoss | TokenLoss, normalization: str, counts: Sequence[int],
-                       k_configured: int | None = None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+def micro_batch_losses(
+    loss: SampleLoss | TokenLoss, normalization: str, counts: Sequence[int], k_configured: int | None = None
+) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """How each micro-batch's loss sum is turned into the loss that is backpropagated (lesson 2).
 
     `global`: sum / (item count of the whole window): exact. `naive`: sum / own count / number of
@@ -163,22 +182,32 @@ def micro_batch_losses(loss: SampleLoss | TokenLoss, normalization: str, counts:
     k = k_configured or len(counts)
     if normalization == "global":
         if total == 0:
-            raise UserError("the window has no valid items (every label is ignore_index): "
-                            "its mean loss is 0/0; drop the window or fix the labels")
+            raise UserError(
+                "the window has no valid items (every label is ignore_index): "
+                "its mean loss is 0/0; drop the window or fix the labels"
+            )
         return [lambda s: s / total for _ in counts]
     if normalization == "naive":
         for i, n in enumerate(counts):
             if n == 0:
-                raise UserError(f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
-                                "the global normalisation (sum / window count) has no such problem")
+                raise UserError(
+                    f"micro-batch {i} has no valid items: its own mean loss is 0/0 (NaN); "
+                    "the global normalisation (sum / window count) has no such problem"
+                )
         return [lambda s, n=n: s / n / k for n in counts]
     raise UserError(f"unknown normalization {normalization!r}: use 'global' or 'naive'")
 
 
-def compare_accumulation(model: nn.Module, batch: Batch, k: int, loss: SampleLoss | TokenLoss | None = None, *,
-                         normalization: str = "global",
-                         dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
-                         train: bool = True) -> AccumulationReport:
+def compare_accumulation(
+    model: nn.Module,
+    batch: Batch,
+    k: int,
+    loss: SampleLoss | TokenLoss | None = None,
+    *,
+    normalization: str = "global",
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+    train: bool = True,
+) -> AccumulationReport:
     """Run `batch` whole and as `k` micro-batches from the same initial state; compare (lesson 2).
 
     For each dtype, two deep copies of `model` (cast to that dtype; `model` itself is untouched) get
@@ -205,15 +234,23 @@ def compare_accumulation(model: nn.Module, batch: Batch, k: int, loss: SampleLos
     counts = [loss.count(mb) for mb in micro]
     whole_count = loss.count(batch)
     if whole_count == 0:
-        raise UserError("the batch has no valid items (every label is ignore_index): its mean loss is 0/0, "
-                        "so there is no gradient to compare")
+        raise UserError(
+            "the batch has no valid items (every label is ignore_index): its mean loss is 0/0, "
+            "so there is no gradient to compare"
+        )
     scales = micro_batch_losses(loss, normalization, counts)
     comparisons = {}
     for dtype in dtypes:
         comparisons[str(dtype).replace("torch.", "")] = _compare_in_dtype(
-            model, batch, micro, loss, scales, whole_count, dtype, train)
-    return AccumulationReport(k=k, normalization=normalization, micro_batch_rows=[batch_size(mb) for mb in micro],
-                              micro_batch_items=counts, comparisons=comparisons)
+            model, batch, micro, loss, scales, whole_count, dtype, train
+        )
+    return AccumulationReport(
+        k=k,
+        normalization=normalization,
+        micro_batch_rows=[batch_size(mb) for mb in micro],
+        micro_batch_items=counts,
+        comparisons=comparisons,
+    )
 
 
 def _compare_in_dtype(model, batch, micro, loss, scales, whole_count, dtype, train) -> DtypeComparison:

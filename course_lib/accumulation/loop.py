@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import validate
 from course_lib.accumulation.batches import check_accumulation_steps, concat_batches
 from course_lib.accumulation.equivalence import _max_abs, _model_device
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss
-from course_lib import validate
 from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
 
@@ -31,21 +31,23 @@ from course_lib.measure import PlainTextTable
 class TrainResult(PlainTextTable):
     """What a training loop did, window by window (lesson 2, "the reference loop")."""
 
-    windows: int = 0           # windows seen (optimizer steps attempted)
-    steps: int = 0             # optimizer steps applied
-    skipped_steps: int = 0     # steps GradScaler skipped (inf/NaN gradients); the scheduler did not step
-    empty_windows: int = 0     # windows with no valid item, skipped (empty_window="skip")
+    windows: int = 0  # windows seen (optimizer steps attempted)
+    steps: int = 0  # optimizer steps applied
+    skipped_steps: int = 0  # steps GradScaler skipped (inf/NaN gradients); the scheduler did not step
+    empty_windows: int = 0  # windows with no valid item, skipped (empty_window="skip")
     micro_batches: int = 0
-    losses: list[float] = field(default_factory=list)    # per window: loss sum / item count (global)
-    items: list[int] = field(default_factory=list)       # per window: item count (global)
-    lrs: list[float] = field(default_factory=list)       # learning rate of each step
+    losses: list[float] = field(default_factory=list)  # per window: loss sum / item count (global)
+    items: list[int] = field(default_factory=list)  # per window: item count (global)
+    lrs: list[float] = field(default_factory=list)  # learning rate of each step
     grad_norms: list[float] = field(default_factory=list)  # total norm before clipping (when clipping)
 
     def __str__(self) -> str:
-        lines = [f"{self.windows} windows ({self.micro_batches} micro-batches), {self.steps} optimizer steps, "
-                 f"{self.skipped_steps} skipped by GradScaler, {self.empty_windows} empty windows skipped",
-                 f"  {'window':>6}  {'items':>6}  {'loss':>8}  {'lr':>9}"
-                 + (f"  {'grad norm':>9}" if self.grad_norms else "")]
+        lines = [
+            f"{self.windows} windows ({self.micro_batches} micro-batches), {self.steps} optimizer steps, "
+            f"{self.skipped_steps} skipped by GradScaler, {self.empty_windows} empty windows skipped",
+            f"  {'window':>6}  {'items':>6}  {'loss':>8}  {'lr':>9}"
+            + (f"  {'grad norm':>9}" if self.grad_norms else ""),
+        ]
         for i, (items, value) in enumerate(zip(self.items, self.losses)):
             lr = f"{self.lrs[i]:>9.3g}" if i < len(self.lrs) else f"{'-':>9}"
             norm = f"  {self.grad_norms[i]:>9.4f}" if i < len(self.grad_norms) else ""
@@ -97,10 +99,20 @@ class AccumulationLoop:
     step (`empty_window="skip"`); its loss is never a NaN.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss: SampleLoss | TokenLoss,
-                 accumulation_steps: int, *, scheduler: Any = None, max_grad_norm: float | None = None,
-                 scaler: torch.amp.GradScaler | None = None, autocast_dtype: torch.dtype | None = None,
-                 empty_window: str = "error", progress: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss: SampleLoss | TokenLoss,
+        accumulation_steps: int,
+        *,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        empty_window: str = "error",
+        progress: bool = True,
+    ) -> None:
         self.k = check_accumulation_steps(accumulation_steps)
         validate.model_and_optimizer(model, optimizer)
         validate.choice("empty_window", empty_window, ("error", "skip"))
@@ -180,12 +192,17 @@ class AccumulationLoop:
         items = self.window_items(counts)
         if items == 0:
             if self.empty_window == "error":
-                raise UserError(f"window {self.result.windows} has no valid item (every label is ignore_index): "
-                                "its mean loss is 0/0. Fix the data, or pass empty_window='skip'.")
+                raise UserError(
+                    f"window {self.result.windows} has no valid item (every label is ignore_index): "
+                    "its mean loss is 0/0. Fix the data, or pass empty_window='skip'."
+                )
             self.result.empty_windows += 1
             return
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype
+            else contextlib.nullcontext()
+        )
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # read once per window
         for i, mb in enumerate(window):
             quiet = self.skips_sync and not self.synchronises(i, len(window))
@@ -226,24 +243,49 @@ class AccumulationLoop:
         return self.result
 
 
-def train_with_accumulation(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[Batch],
-                            loss: SampleLoss | TokenLoss, accumulation_steps: int, *,
-                            scheduler: Any = None, max_grad_norm: float | None = None,
-                            scaler: torch.amp.GradScaler | None = None, autocast_dtype: torch.dtype | None = None,
-                            empty_window: str = "error", progress: bool = True) -> TrainResult:
+def train_with_accumulation(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Batch],
+    loss: SampleLoss | TokenLoss,
+    accumulation_steps: int,
+    *,
+    scheduler: Any = None,
+    max_grad_norm: float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    empty_window: str = "error",
+    progress: bool = True,
+) -> TrainResult:
     """Train over `batches` (micro-batches), one optimizer step per window of K (lesson 2).
 
     Runs the reference loop, `AccumulationLoop` (its docstring lists every detail it gets right).
     """
-    loop = AccumulationLoop(model, optimizer, loss, accumulation_steps, scheduler=scheduler,
-                            max_grad_norm=max_grad_norm, scaler=scaler, autocast_dtype=autocast_dtype,
-                            empty_window=empty_window, progress=progress)
+    loop = AccumulationLoop(
+        model,
+        optimizer,
+        loss,
+        accumulation_steps,
+        scheduler=scheduler,
+        max_grad_norm=max_grad_norm,
+        scaler=scaler,
+        autocast_dtype=autocast_dtype,
+        empty_window=empty_window,
+        progress=progress,
+    )
     return loop.run(batches)
 
 
-def train_whole_windows(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch],
-                        loss: SampleLoss | TokenLoss, accumulation_steps: int, *, scheduler: Any = None,
-                        max_grad_norm: float | None = None) -> TrainResult:
+def train_whole_windows(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    loss: SampleLoss | TokenLoss,
+    accumulation_steps: int,
+    *,
+    scheduler: Any = None,
+    max_grad_norm: float | None = None,
+) -> TrainResult:
     """The ground truth accumulation must match: each window concatenated into one batch (lesson 2).
 
     One forward and backward of the whole window, its loss sum divided by its item count, then clip,

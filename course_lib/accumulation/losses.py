@@ -24,6 +24,7 @@ Batch = Any  # a tuple (inputs, targets) or a dict of tensors (input_ids, attent
 # Losses as (sum over items, item count): the two numbers accumulation needs
 # --------------------------------------------------------------------------------------------------
 
+
 class SampleLoss:
     """A per-sample loss on `(inputs, targets)` batches; the items are the samples (lesson 2).
 
@@ -38,8 +39,11 @@ class SampleLoss:
         self.criterion = criterion
 
     def count(self, batch: Batch) -> int:
-        _check_batch(batch, isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch)),
-                     "a pair (inputs, targets) of tensors, as regression_batches makes")
+        _check_batch(
+            batch,
+            isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch)),
+            "a pair (inputs, targets) of tensors, as regression_batches makes",
+        )
         return int(batch[0].shape[0])
 
     def sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -67,9 +71,12 @@ class TokenLoss:
         self.ignore_index = ignore_index
 
     def count(self, batch: Batch) -> int:
-        _check_batch(batch, isinstance(batch, dict) and all(torch.is_tensor(batch.get(key)) and batch[key].dim() == 2
-                                                            for key in ("input_ids", "labels")),
-                     "a dict with input_ids and labels tensors (batch, seq), as padded_token_batches makes")
+        _check_batch(
+            batch,
+            isinstance(batch, dict)
+            and all(torch.is_tensor(batch.get(key)) and batch[key].dim() == 2 for key in ("input_ids", "labels")),
+            "a dict with input_ids and labels tensors (batch, seq), as padded_token_batches makes",
+        )
         return int((batch["labels"][:, 1:] != self.ignore_index).sum())
 
     def sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -8,6 +8,7 @@ from torch import nn
 
 from course_lib.errors import UserError
 
+
 def _groups(channels: int, preferred: int = 32) -> int:
     """The GroupNorm group count for `channels`: the largest <= preferred with >= 2 channels per group."""
     for g in range(min(preferred, channels), 0, -1):
@@ -28,8 +29,14 @@ def _norm_layer(norm: str | None, width: int) -> nn.Module:
     raise UserError(f"unknown norm {norm!r}: use None, 'layer', 'batch' or 'group'")
 
 
-def tiny_mlp(norm: str | None = "layer", in_features: int = 8, hidden: int = 16, out_features: int = 4,
-             depth: int = 2, seed: int | None = 0) -> nn.Sequential:
+def tiny_mlp(
+    norm: str | None = "layer",
+    in_features: int = 8,
+    hidden: int = 16,
+    out_features: int = 4,
+    depth: int = 2,
+    seed: int | None = 0,
+) -> nn.Sequential:
     """A small MLP with an optional norm after each hidden Linear: None, 'layer', 'batch', 'group'.
 
     The same `seed` gives the same weights whatever the norm (lesson 2, "the BatchNorm failure").
@@ -80,7 +87,17 @@ def tiny_causal_lm_config(vocab_size: int = 64, hidden_size: int = 32, layers: i
     """A tiny Llama config (random weights, no download) for the Trainer cross-check (lesson 2)."""
     from transformers import LlamaConfig  # off the import path: transformers takes seconds to import
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       max_position_embeddings=128, attention_dropout=0.0, pad_token_id=0,
-                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=128,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )

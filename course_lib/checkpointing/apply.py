@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint, noop_context_fn
 
-from course_lib.errors import UserError
 from course_lib.checkpointing.plans import validate_plan
 from course_lib.checkpointing.selective import context_fn_for
+from course_lib.errors import UserError
 from course_lib.layers import find_layer_stack
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -50,11 +50,16 @@ def _positional(options: dict) -> list:
     """`options` in the order of torch's private `_checkpoint_without_reentrant_generator(fn, ..., *args)`
     (the frame torch.utils.checkpoint itself uses), whose extra positional arguments are the inputs:
     read from its signature, so that a torch whose private order differs fails with one clear line."""
-    names = [p.name for p in inspect.signature(_checkpoint_without_reentrant_generator).parameters.values()
-             if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+    names = [
+        p.name
+        for p in inspect.signature(_checkpoint_without_reentrant_generator).parameters.values()
+        if p.kind is p.POSITIONAL_OR_KEYWORD
+    ][1:]
     if set(names) != set(options):
-        raise RuntimeError(f"apply_plan needs torch.utils.checkpoint's non-reentrant frame with {sorted(options)}; "
-                           f"this torch {torch.__version__} has {names}: use torch.utils.checkpoint per layer instead")
+        raise RuntimeError(
+            f"apply_plan needs torch.utils.checkpoint's non-reentrant frame with {sorted(options)}; "
+            f"this torch {torch.__version__} has {names}: use torch.utils.checkpoint per layer instead"
+        )
     return [options[name] for name in names]
 
 
@@ -80,8 +85,13 @@ class _OpenSegment:
                 plan.replaying -= 1
             return out
 
-        options = {"preserve_rng_state": True, "context_fn": plan.context_fn or noop_context_fn,
-                   "determinism_check": "default", "debug": False, "early_stop": True}
+        options = {
+            "preserve_rng_state": True,
+            "context_fn": plan.context_fn or noop_context_fn,
+            "determinism_check": "default",
+            "debug": False,
+            "early_stop": True,
+        }
         self.frame = _checkpoint_without_reentrant_generator(replay, *_positional(options), hidden)
         next(self.frame)
 
@@ -121,21 +131,24 @@ class AppliedPlan:
         self.open: _OpenSegment | None = None
         for layer in self.layers:
             if getattr(layer, "gradient_checkpointing", False):
-                raise UserError("the model's own gradient checkpointing is on: call "
-                                "course_lib.checkpointing.hf_checkpointing(model, False) (or "
-                                "model.gradient_checkpointing_disable()) before applying a plan, or layers "
-                                "would be checkpointed twice")
+                raise UserError(
+                    "the model's own gradient checkpointing is on: call "
+                    "course_lib.checkpointing.hf_checkpointing(model, False) (or "
+                    "model.gradient_checkpointing_disable()) before applying a plan, or layers "
+                    "would be checkpointed twice"
+                )
             if getattr(layer, "_course_plan", None) is not None:
-                raise UserError("a checkpoint plan is applied to this stack already (a plan applied twice?): "
-                                "remove the other plan first")
+                raise UserError(
+                    "a checkpoint plan is applied to this stack already (a plan applied twice?): "
+                    "remove the other plan first"
+                )
         self.segment_of = {i: (a, b) for a, b in self.plan for i in range(a, b)}
         self._handles = []
         for index, layer in enumerate(self.layers):
             layer._course_plan = self
             if index in self.segment_of:
                 self._handles.append(layer.register_forward_pre_hook(self._pre(index), with_kwargs=True))
-                self._handles.append(layer.register_forward_hook(self._post(index), with_kwargs=True,
-                                                                 always_call=True))
+                self._handles.append(layer.register_forward_hook(self._post(index), with_kwargs=True, always_call=True))
         if not isinstance(model, nn.ModuleList):  # a forward that ends inside a segment is refused
             self._handles.append(model.register_forward_hook(self._model_done, always_call=True))
 
@@ -157,16 +170,21 @@ class AppliedPlan:
             rest_args = {k: v for k, v in kwargs.items() if k != "hidden_states"} if as_kwarg else kwargs
             for name in _CACHE_KWARGS:
                 if rest_args.get(name) is not None:
-                    self._fail(f"layer {index} got a KV cache ({name}): the recompute would write it twice; "
-                               "train with use_cache=False")
+                    self._fail(
+                        f"layer {index} got a KV cache ({name}): the recompute would write it twice; "
+                        "train with use_cache=False"
+                    )
             if any("cache" in type(a).__name__.lower() for a in args[1:] if a is not None):
-                self._fail(f"layer {index} got a KV cache: the recompute would write it twice; train with "
-                           "use_cache=False")
+                self._fail(
+                    f"layer {index} got a KV cache: the recompute would write it twice; train with use_cache=False"
+                )
             segment = self.open
             if index == start:
                 if segment is not None:
-                    self._fail(f"layer {index} starts a segment while layers {segment.start}..{segment.end - 1} "
-                               "are still running")
+                    self._fail(
+                        f"layer {index} starts a segment while layers {segment.start}..{segment.end - 1} "
+                        "are still running"
+                    )
                 if not torch.is_grad_enabled():
                     return None  # no backward, nothing to checkpoint: the layers simply run
                 self.open = segment = _OpenSegment(self, start, end, hidden)
@@ -178,16 +196,21 @@ class AppliedPlan:
                 if index != segment.next:
                     self._fail(f"layer {index} was called while layer {segment.next} was expected next")
                 if hidden is not segment.last_hidden:
-                    self._fail(f"the hidden state reaching layer {index} is not what layer {index - 1} "
-                               "returned: the model changes it between layers, which a replay cannot repeat")
+                    self._fail(
+                        f"the hidden state reaching layer {index} is not what layer {index - 1} "
+                        "returned: the model changes it between layers, which a replay cannot repeat"
+                    )
                 if any(not torch.equal(a, b) for a, b in zip(segment.rng_after, _rng_state())):
-                    self._fail(f"the model draws random numbers between layers {index - 1} and {index}: the "
-                               "replay would give the later layers other dropout masks")
+                    self._fail(
+                        f"the model draws random numbers between layers {index - 1} and {index}: the "
+                        "replay would give the later layers other dropout masks"
+                    )
             made = segment.made
             if any(id(t) in made for t in _tensors((args[1:], rest_args))):
                 self._fail(f"layer {index} got an argument made by an earlier layer of its segment")
             segment.calls.append((tuple(args[1:]), dict(rest_args), as_kwarg))
             return None
+
         return hook
 
     def _post(self, index: int):
@@ -208,6 +231,7 @@ class AppliedPlan:
                 self.open = None
                 segment.close()
             return None
+
         return hook
 
     def _model_done(self, module, args, output):
@@ -238,8 +262,9 @@ class AppliedPlan:
         return f"AppliedPlan(plan={self.plan}, policy={self.policy!r})"
 
 
-def apply_plan(model: nn.Module, plan, *, policy="full", stack: nn.Module | None = None,
-               recompute_context=None) -> AppliedPlan:
+def apply_plan(
+    model: nn.Module, plan, *, policy="full", stack: nn.Module | None = None, recompute_context=None
+) -> AppliedPlan:
     """Checkpoint `model`'s layer stack by a plan, non-reentrant (lesson 3, "applying a plan").
 
     `plan`: a list of (start, end) segments or a plan name ("sqrt", "every-2", "hf-every-2", ...).
@@ -262,8 +287,9 @@ def hf_has_every_n_layers(model: nn.Module) -> bool:
     return hasattr(model, "activation_checkpointing_enable")
 
 
-def hf_checkpointing(model: nn.Module, enable: bool = True, *, use_reentrant: bool = False,
-                     every_n_layers: int = 1) -> None:
+def hf_checkpointing(
+    model: nn.Module, enable: bool = True, *, use_reentrant: bool = False, every_n_layers: int = 1
+) -> None:
     """Hugging Face's one-liner, on any transformers version (lesson 3, "the one-liner").
 
     Every decoder layer becomes its own checkpointed segment (the plan "every-layer"; with

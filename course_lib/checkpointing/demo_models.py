@@ -20,8 +20,7 @@ def mlp_stack(n_layers: int, width: int, activation: str = "relu") -> nn.Sequent
     acts = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
     if activation not in acts:
         raise UserError(f"activation must be one of {', '.join(acts)}, got {activation!r}")
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), acts[activation]())
-                           for _ in range(n_layers)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), acts[activation]()) for _ in range(n_layers)])
 
 
 class ResidualMLP(nn.Module):
@@ -69,40 +68,82 @@ def uneven_stack(spec: str, width: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
 
 
 def _decoder_config(arch: str, *, n_layers, hidden, heads, intermediate, vocab, sliding_window):
     import transformers  # off the import path: transformers takes seconds to import
 
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
-                  num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=heads,
-                  max_position_embeddings=4096, use_cache=False, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=4096,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
     if arch == "llama":
         return transformers.LlamaConfig(**common)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=sliding_window)
     if arch == "qwen2":  # sliding window on the layers from max_window_layers on, as Qwen2 configures it
-        return transformers.Qwen2Config(**common, use_sliding_window=sliding_window is not None,
-                                        sliding_window=sliding_window, max_window_layers=n_layers // 2)
+        return transformers.Qwen2Config(
+            **common,
+            use_sliding_window=sliding_window is not None,
+            sliding_window=sliding_window,
+            max_window_layers=n_layers // 2,
+        )
     if arch == "phi3":
-        return transformers.Phi3Config(**common, sliding_window=sliding_window, pad_token_id=None,
-                                       bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+        return transformers.Phi3Config(
+            **common, sliding_window=sliding_window, pad_token_id=None, bos_token_id=vocab - 1, eos_token_id=vocab - 1
+        )
     if arch == "gemma2":  # sliding and global layers alternate, each with its own mask
-        return transformers.Gemma2Config(**common, head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads,
-                                         sliding_window=sliding_window or 4096)
+        return transformers.Gemma2Config(
+            **common,
+            head_dim=hidden // heads,
+            query_pre_attn_scalar=hidden // heads,
+            sliding_window=sliding_window or 4096,
+        )
     if arch == "gpt2":
         return transformers.GPT2Config(
-            vocab_size=vocab, n_embd=hidden, n_layer=n_layers, n_head=heads, n_inner=intermediate,
-            n_positions=4096, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=n_layers,
+            n_head=heads,
+            n_inner=intermediate,
+            n_positions=4096,
+            use_cache=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=vocab - 1,
+            eos_token_id=vocab - 1,
+        )
     raise UserError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
 
 
-def tiny_decoder(arch: str = "llama", *, n_layers: int = 8, hidden: int = 128, heads: int = 4,
-                 intermediate: int | None = None, vocab: int = 512, attn_implementation: str = "sdpa",
-                 sliding_window: int | None = None, seed: int = 0) -> nn.Module:
+def tiny_decoder(
+    arch: str = "llama",
+    *,
+    n_layers: int = 8,
+    hidden: int = 128,
+    heads: int = 4,
+    intermediate: int | None = None,
+    vocab: int = 512,
+    attn_implementation: str = "sdpa",
+    sliding_window: int | None = None,
+    seed: int = 0,
+) -> nn.Module:
     """A Hugging Face causal LM built from a config with random weights, no download (lesson 3).
 
     `arch`: one of ARCHITECTURES (the bundled models' families: "llama", "gpt2", "mistral", "qwen2",
@@ -113,12 +154,20 @@ def tiny_decoder(arch: str = "llama", *, n_layers: int = 8, hidden: int = 128, h
     """
     import transformers  # off the import path: transformers takes seconds to import
 
-    config = _decoder_config(arch, n_layers=n_layers, hidden=hidden, heads=heads, intermediate=intermediate,
-                             vocab=vocab, sliding_window=sliding_window)
+    config = _decoder_config(
+        arch,
+        n_layers=n_layers,
+        hidden=hidden,
+        heads=heads,
+        intermediate=intermediate,
+        vocab=vocab,
+        sliding_window=sliding_window,
+    )
 
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHITECTURES[arch])._from_config(
-        config, attn_implementation=supported_attention(config, attn_implementation))
+        config, attn_implementation=supported_attention(config, attn_implementation)
+    )
     if arch == "gpt2":
         model.loss_type = "ForCausalLM"  # GPT-2 names none; transformers warns, then uses this one
     return model.train()

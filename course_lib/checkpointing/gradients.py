@@ -15,8 +15,11 @@ def _loss_of(output) -> torch.Tensor:
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     if loss is None:
-        tensor = output if isinstance(output, torch.Tensor) else (
-            getattr(output, "logits", None) if not isinstance(output, (tuple, list)) else output[0])
+        tensor = (
+            output
+            if isinstance(output, torch.Tensor)
+            else (getattr(output, "logits", None) if not isinstance(output, (tuple, list)) else output[0])
+        )
         if tensor is None:
             raise UserError("cannot find a loss in the model's output: pass loss_fn(output) -> scalar")
         loss = tensor.float().pow(2).mean()
@@ -33,8 +36,7 @@ def assert_gradients_flow(model: nn.Module, batch, loss_fn: Callable | None = No
     """
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not trainable:
-        raise AssertionError("the model has no trainable parameter (every requires_grad is False): "
-                             "nothing to train")
+        raise AssertionError("the model has no trainable parameter (every requires_grad is False): nothing to train")
     model.zero_grad(set_to_none=True)
     was_training = model.training
     model.train()
@@ -63,4 +65,5 @@ def assert_gradients_flow(model: nn.Module, batch, loss_fn: Callable | None = No
             "output is cut from the graph. Fix: checkpoint with use_reentrant=False "
             "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
             "or course_lib.checkpointing.apply_plan), or call model.enable_input_require_grads() "
-            "before training.")
+            "before training."
+        )

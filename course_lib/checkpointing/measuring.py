@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from course_lib.checkpointing.apply import apply_plan
-from course_lib.layers import find_layer_stack
 from course_lib.checkpointing.plans import Plan, named_plan, segments_plan, validate_plan
 from course_lib.checkpointing.profile import StackProfile, flop_counter, profile_stack
 from course_lib.checkpointing.selective import policy_name
+from course_lib.layers import find_layer_stack
 from course_lib.measure import MiB, measure_step
 
 
@@ -32,9 +32,9 @@ class PlanMeasurement:
     plan: str
     segments: Plan
     measured_peak: int
-    predicted_peak: int | None         # the refined cost model (StackProfile.predicted_step_peak)
+    predicted_peak: int | None  # the refined cost model (StackProfile.predicted_step_peak)
     simple_predicted_peak: int | None  # saved and input sizes alone, all gradients added
-    recompute_fraction: float | None   # predicted by the cost model, by FLOPs (full checkpointing)
+    recompute_fraction: float | None  # predicted by the cost model, by FLOPs (full checkpointing)
     step_seconds: float = float("nan")  # fastest timed forward + backward (nan: not timed)
     policy: str = "full"
     measured_recompute: float | None = None
@@ -78,8 +78,15 @@ def _backward_flops(model, loss_fn, plan, policy, layers) -> float:
     return float(counter.get_total_flops() - forward)
 
 
-def measure_recompute(model: nn.Module, loss_fn: Callable[[], torch.Tensor], plan, *, policy="full",
-                      profile: StackProfile | None = None, stack: nn.Module | None = None) -> float:
+def measure_recompute(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    plan,
+    *,
+    policy="full",
+    profile: StackProfile | None = None,
+    stack: nn.Module | None = None,
+) -> float:
     """What a plan recomputes, measured: the backward's FLOPs under the plan minus the unchecked
     backward's, as a fraction of one forward of the stack (lesson 3, "selective checkpointing").
 
@@ -91,9 +98,14 @@ def measure_recompute(model: nn.Module, loss_fn: Callable[[], torch.Tensor], pla
     return extra / sum(profile.compute)
 
 
-def time_plans(model: nn.Module, loss_fn: Callable[[], torch.Tensor],
-               plans: Sequence[tuple[object, object]], *, repeats: int = 3,
-               stack: nn.Module | None = None) -> list[float]:
+def time_plans(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    plans: Sequence[tuple[object, object]],
+    *,
+    repeats: int = 3,
+    stack: nn.Module | None = None,
+) -> list[float]:
     """Fastest forward + backward time of each (plan, policy), in seconds (lesson 3).
 
     The plans take turns, `repeats` rounds after one warm-up round, so that a machine whose load
@@ -111,9 +123,19 @@ def time_plans(model: nn.Module, loss_fn: Callable[[], torch.Tensor],
     return best if repeats > 0 else [float("nan")] * len(plans)
 
 
-def measure_plan(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor],
-                 plan, *, profile: StackProfile | None = None, policy="full", stack: nn.Module | None = None,
-                 repeats: int = 0, label: str | None = None, recompute: bool = False) -> PlanMeasurement:
+def measure_plan(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    inputs: Iterable[torch.Tensor],
+    plan,
+    *,
+    profile: StackProfile | None = None,
+    policy="full",
+    stack: nn.Module | None = None,
+    repeats: int = 0,
+    label: str | None = None,
+    recompute: bool = False,
+) -> PlanMeasurement:
     """Apply a plan, measure one training step's peak with course_lib.measure.measure_step (the live-
     storage tracker on CPU, the allocator on CUDA), put the cost model's prediction beside it, with
     `recompute=True` measure what it recomputes (`measure_recompute`), and with `repeats` > 0 time
@@ -134,19 +156,33 @@ def measure_plan(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs: 
     seconds = float("nan")
     if repeats:
         seconds = time_plans(model, loss_fn, [(segments, policy)], repeats=repeats, stack=layers)[0]
-    measured = measure_recompute(model, loss_fn, segments, policy=policy, profile=profile, stack=layers) \
-        if recompute else None
-    return PlanMeasurement(plan=label or (plan if isinstance(plan, str) else str(segments)), segments=segments,
-                           measured_peak=memory.peak - memory.baseline,
-                           predicted_peak=profile.predicted_step_peak(segments) if full else None,
-                           simple_predicted_peak=profile.predicted_step_peak(segments, refined=False) if full else None,
-                           recompute_fraction=profile.cost(segments).recompute_fraction if full else None,
-                           step_seconds=seconds, policy=policy_name(policy), measured_recompute=measured)
+    measured = (
+        measure_recompute(model, loss_fn, segments, policy=policy, profile=profile, stack=layers) if recompute else None
+    )
+    return PlanMeasurement(
+        plan=label or (plan if isinstance(plan, str) else str(segments)),
+        segments=segments,
+        measured_peak=memory.peak - memory.baseline,
+        predicted_peak=profile.predicted_step_peak(segments) if full else None,
+        simple_predicted_peak=profile.predicted_step_peak(segments, refined=False) if full else None,
+        recompute_fraction=profile.cost(segments).recompute_fraction if full else None,
+        step_seconds=seconds,
+        policy=policy_name(policy),
+        measured_recompute=measured,
+    )
 
 
-def measure_tradeoff(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor],
-                     plans: dict | None = None, *, repeats: int = 3, policies: Sequence = ("full",),
-                     profile: StackProfile | None = None, recompute: bool = False) -> list[PlanMeasurement]:
+def measure_tradeoff(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    inputs: Iterable[torch.Tensor],
+    plans: dict | None = None,
+    *,
+    repeats: int = 3,
+    policies: Sequence = ("full",),
+    profile: StackProfile | None = None,
+    recompute: bool = False,
+) -> list[PlanMeasurement]:
     """Measure many plans on one model: the trade-off curve (lesson 3, "the measured trade-off").
 
     `plans` maps a label to segments or a plan name; the default is `default_plans(profile)`. Each
@@ -160,9 +196,22 @@ def measure_tradeoff(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inpu
         profile = profile_stack(model, loss_fn, inputs, stack=layers)
     if plans is None:
         plans = default_plans(profile)
-    rows = [measure_plan(model, loss_fn, inputs, plan, profile=profile, policy=policy, stack=layers,
-                         repeats=0, label=label, recompute=recompute)
-            for label, plan in plans.items() for policy in policies]
+    rows = [
+        measure_plan(
+            model,
+            loss_fn,
+            inputs,
+            plan,
+            profile=profile,
+            policy=policy,
+            stack=layers,
+            repeats=0,
+            label=label,
+            recompute=recompute,
+        )
+        for label, plan in plans.items()
+        for policy in policies
+    ]
     if repeats > 0:
         runs = [(row.segments, policy) for row, policy in zip(rows, [p for _ in plans for p in policies])]
         times = time_plans(model, loss_fn, runs, repeats=repeats, stack=layers)
@@ -190,8 +239,10 @@ def format_tradeoff(rows: Sequence[PlanMeasurement], title: str = "") -> str:
     base = rows[0].step_seconds if rows and rows[0].step_seconds == rows[0].step_seconds else None
     measured = any(r.measured_recompute is not None for r in rows)
     lines = [title] if title else []
-    header = (f"{'plan':<22} {'policy':<12} {'measured':>9} {'model':>9} {'err':>6} {'simple':>7} "
-              f"{'recompute':>9}" + (f" {'measured':>8}" if measured else "") + f" {'step ms':>8} {'time':>6}")
+    header = (
+        f"{'plan':<22} {'policy':<12} {'measured':>9} {'model':>9} {'err':>6} {'simple':>7} "
+        f"{'recompute':>9}" + (f" {'measured':>8}" if measured else "") + f" {'step ms':>8} {'time':>6}"
+    )
     lines += [header, "-" * len(header)]
     for r in rows:
         timed = r.step_seconds == r.step_seconds
@@ -199,10 +250,15 @@ def format_tradeoff(rows: Sequence[PlanMeasurement], title: str = "") -> str:
         err = f"{100 * r.error:+5.1f}%" if r.error is not None else f"{'':>6}"
         simple = f"{100 * r.simple_error:+6.1f}%" if r.simple_error is not None else f"{'':>7}"
         predicted = f"{r.recompute_fraction:9.2f}" if r.recompute_fraction is not None else f"{'n/a':>9}"
-        seen = "" if not measured else (
-            f" {r.measured_recompute:8.2f}" if r.measured_recompute is not None else f" {'':>8}")
+        seen = (
+            ""
+            if not measured
+            else (f" {r.measured_recompute:8.2f}" if r.measured_recompute is not None else f" {'':>8}")
+        )
         ms = f"{r.step_seconds * 1e3:8.1f}" if timed else f"{'':>8}"
         ratio = f"{r.step_seconds / base:5.2f}x" if base and timed else ""
-        lines.append(f"{r.plan[:22]:<22} {r.policy[:12]:<12} {r.measured_peak / MiB:8.2f}M {model} {err} {simple} "
-                     f"{predicted}{seen} {ms} {ratio:>6}")
+        lines.append(
+            f"{r.plan[:22]:<22} {r.policy[:12]:<12} {r.measured_peak / MiB:8.2f}M {model} {err} {simple} "
+            f"{predicted}{seen} {ms} {ratio:>6}"
+        )
     return "\n".join(lines)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from course_lib.errors import UserError
 from course_lib.checkpointing.plans import Plan, StackModel, _check_n
+from course_lib.errors import UserError
 from course_lib.measure import format_bytes
 
 
@@ -59,8 +59,9 @@ def _pareto(points: list[_Point]) -> list[_Point]:
     return best
 
 
-def plan_frontier(saved_bytes: Sequence[int], input_bytes: Sequence[int],
-                  **model_kwargs) -> list[tuple[int, float, Plan]]:
+def plan_frontier(
+    saved_bytes: Sequence[int], input_bytes: Sequence[int], **model_kwargs
+) -> list[tuple[int, float, Plan]]:
     """Every best trade-off over all plans: (peak_bytes, recompute_fraction, plan), peak ascending,
     recompute descending; no plan has both a lower peak and less recompute (lesson 3, "the optimal
     plan"). Same inputs as `plan_cost` (keyword arguments passed on)."""
@@ -74,8 +75,10 @@ def plan_frontier(saved_bytes: Sequence[int], input_bytes: Sequence[int],
         recompute = 0.0
         for j, peak in model.backward_peaks(i, True):
             recompute += model.costs[j - 1]
-            points += [_Point(max(peak, model.inputs[i] + rest.need), rest.recompute + recompute,
-                              ((i, j),) + rest.plan) for rest in best[j]]
+            points += [
+                _Point(max(peak, model.inputs[i] + rest.need), rest.recompute + recompute, ((i, j),) + rest.plan)
+                for rest in best[j]
+            ]
         best[i] = _pareto(points)
     total = model.total_cost or 1.0
     return [(p.need, p.recompute / total, list(p.plan)) for p in best[0]]
@@ -86,8 +89,7 @@ def min_feasible_peak(saved_bytes: Sequence[int], input_bytes: Sequence[int], **
     return plan_frontier(saved_bytes, input_bytes, **model_kwargs)[0][0]
 
 
-def optimal_plan(saved_bytes: Sequence[int], input_bytes: Sequence[int], budget_bytes: int,
-                 **model_kwargs) -> Plan:
+def optimal_plan(saved_bytes: Sequence[int], input_bytes: Sequence[int], budget_bytes: int, **model_kwargs) -> Plan:
     """The plan with the least recompute whose predicted activation peak fits in `budget_bytes`, over
     all plans (lesson 3, "the optimal plan"); among equal recompute, the lowest peak.
 
@@ -100,7 +102,9 @@ def optimal_plan(saved_bytes: Sequence[int], input_bytes: Sequence[int], budget_
     fitting = [plan for peak, _, plan in frontier if peak <= budget_bytes]
     if not fitting:
         minimum, _, plan = frontier[0]
-        raise UserError(f"budget of {int(budget_bytes)} bytes ({format_bytes(budget_bytes)}) is below the minimum "
-                        f"feasible activation memory of {minimum} bytes ({format_bytes(minimum)}) for these layers, "
-                        f"reached by the plan {plan}")
+        raise UserError(
+            f"budget of {int(budget_bytes)} bytes ({format_bytes(budget_bytes)}) is below the minimum "
+            f"feasible activation memory of {minimum} bytes ({format_bytes(minimum)}) for these layers, "
+            f"reached by the plan {plan}"
+        )
     return fitting[-1]  # the frontier's peaks ascend and recomputes descend: the last that fits

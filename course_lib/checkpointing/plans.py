@@ -64,8 +64,10 @@ def named_plan(n_layers: int, name: str) -> Plan:
         if match.group(1):
             return [(i, i + 1) for i in range(0, n_layers, size)]
         return [(i, min(i + size, n_layers)) for i in range(0, n_layers, size)]
-    raise UserError(f"unknown checkpointing plan {name!r}: use one of none, every-layer, sqrt, every-K, "
-                    f"hf-every-K (K a positive integer, e.g. every-2)")
+    raise UserError(
+        f"unknown checkpointing plan {name!r}: use one of none, every-layer, sqrt, every-K, "
+        f"hf-every-K (K a positive integer, e.g. every-2)"
+    )
 
 
 def segments_plan(n_layers: int, k: int, *, checkpoint_last: bool = False) -> Plan:
@@ -101,12 +103,16 @@ def validate_plan(plan, n_layers: int) -> Plan:
     segments = [(int(a), int(b)) for a, b in pairs]
     for a, b in segments:
         if not 0 <= a < b <= n_layers:
-            raise UserError(f"segment ({a}, {b}) out of range: a stack of {n_layers} layers takes segments "
-                            f"(start, end) with 0 <= start < end <= {n_layers} (end exclusive)")
+            raise UserError(
+                f"segment ({a}, {b}) out of range: a stack of {n_layers} layers takes segments "
+                f"(start, end) with 0 <= start < end <= {n_layers} (end exclusive)"
+            )
     for (a, b), (c, d) in zip(segments, segments[1:]):
         if c < b:
-            raise UserError(f"segments ({a}, {b}) and ({c}, {d}) are not sorted and disjoint: each segment "
-                            "starts at or after the end of the one before")
+            raise UserError(
+                f"segments ({a}, {b}) and ({c}, {d}) are not sorted and disjoint: each segment "
+                "starts at or after the end of the one before"
+            )
     return segments
 
 
@@ -144,8 +150,19 @@ def _as_sizes(values: Sequence[int] | None, name: str, n: int, default: int = 0)
 class StackModel:
     """The cost model's numbers for one stack, checked once (see `plan_cost`; lesson 3)."""
 
-    def __init__(self, saved_bytes, input_bytes, *, output_bytes=None, compute=None, grad_bytes=None,
-                 transient_bytes=None, head_bytes=None, head_grad_bytes=0, output_saved=None) -> None:
+    def __init__(
+        self,
+        saved_bytes,
+        input_bytes,
+        *,
+        output_bytes=None,
+        compute=None,
+        grad_bytes=None,
+        transient_bytes=None,
+        head_bytes=None,
+        head_grad_bytes=0,
+        output_saved=None,
+    ) -> None:
         saved = [int(v) for v in saved_bytes]
         n = len(saved)
         if n == 0:
@@ -188,8 +205,14 @@ class StackModel:
         peak = None
         for i in range(a, self.n if checked else a + 1):
             held += self.saved[i]  # after the recompute, layers a .. i hold their saved bytes
-            moment = (held + self.own_output[i] + self.grad_of_output[i] + self.transient[i]
-                      + self.grads_after[i + 1] + self.head_grads)
+            moment = (
+                held
+                + self.own_output[i]
+                + self.grad_of_output[i]
+                + self.transient[i]
+                + self.grads_after[i + 1]
+                + self.head_grads
+            )
             peak = moment if peak is None else max(peak, moment)
             yield i + 1, peak
 
@@ -214,11 +237,19 @@ class StackModel:
         return units
 
 
-def plan_cost(saved_bytes: Sequence[int], input_bytes: Sequence[int], plan, *,
-              output_bytes: int | None = None, compute: Sequence[float] | None = None,
-              grad_bytes: Sequence[int] | None = None, transient_bytes: Sequence[int] | None = None,
-              head_bytes: int | None = None, head_grad_bytes: int = 0,
-              output_saved: Sequence[bool] | None = None) -> PlanCost:
+def plan_cost(
+    saved_bytes: Sequence[int],
+    input_bytes: Sequence[int],
+    plan,
+    *,
+    output_bytes: int | None = None,
+    compute: Sequence[float] | None = None,
+    grad_bytes: Sequence[int] | None = None,
+    transient_bytes: Sequence[int] | None = None,
+    head_bytes: int | None = None,
+    head_grad_bytes: int = 0,
+    output_saved: Sequence[bool] | None = None,
+) -> PlanCost:
     """Predicted activation peak and recompute cost of a plan (lesson 3, "the cost model").
 
     `plan`: a list of (start, end) segments or a plan name (see `named_plan`).
@@ -240,9 +271,17 @@ def plan_cost(saved_bytes: Sequence[int], input_bytes: Sequence[int], plan, *,
     of what the earlier units still keep, beside the gradient arriving from above. The peak is the
     largest of these moments.
     """
-    model = StackModel(saved_bytes, input_bytes, output_bytes=output_bytes, compute=compute,
-                       grad_bytes=grad_bytes, transient_bytes=transient_bytes, head_bytes=head_bytes,
-                       head_grad_bytes=head_grad_bytes, output_saved=output_saved)
+    model = StackModel(
+        saved_bytes,
+        input_bytes,
+        output_bytes=output_bytes,
+        compute=compute,
+        grad_bytes=grad_bytes,
+        transient_bytes=transient_bytes,
+        head_bytes=head_bytes,
+        head_grad_bytes=head_grad_bytes,
+        output_saved=output_saved,
+    )
     segments = validate_plan(plan, model.n)
     units = model.units(segments)
     holds = [model.hold(a, checked) for a, _, checked in units]
@@ -258,6 +297,11 @@ def plan_cost(saved_bytes: Sequence[int], input_bytes: Sequence[int], plan, *,
             # the unit's first layer whose backward reaches the unit's peak
             layer = next(end - 1 for end, top in model.backward_peaks(a, checked) if before + top == moment)
     recompute = sum(sum(model.costs[a:b]) for a, b in segments)
-    return PlanCost(peak_bytes=int(peak),
-                    recompute_fraction=recompute / model.total_cost if model.total_cost else 0.0,
-                    forward_bytes=int(forward), peak_where=where, plan=tuple(segments), peak_layer=layer)
+    return PlanCost(
+        peak_bytes=int(peak),
+        recompute_fraction=recompute / model.total_cost if model.total_cost else 0.0,
+        forward_bytes=int(forward),
+        peak_where=where,
+        plan=tuple(segments),
+        peak_layer=layer,
+    )

@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from course_lib.errors import UserError
 from course_lib.checkpointing.optimal import optimal_plan, plan_frontier
 from course_lib.checkpointing.plans import Plan, PlanCost, plan_cost
+from course_lib.errors import UserError
 from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker, storage_bytes, unique_storages
 
@@ -24,10 +24,12 @@ def flop_counter():
     mapping = {}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mapping = {
-            aten._scaled_dot_product_flash_attention_for_cpu:
-                lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
-            aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
+            aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *args, out_shape=None, **kwargs: (
+                sdpa_flop_count(q, k, v)
+            ),
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda grad, q, k, v, *args, out_shape=None, **kwargs: (
+                sdpa_backward_flop_count(grad, q, k, v)
+            ),
         }
     return FlopCounterMode(display=False, custom_mapping=mapping)
 
@@ -71,9 +73,14 @@ class StackProfile:
         `refined=False`: only the layers' compute (the simple model: saved and input sizes alone)."""
         kwargs = {"compute": self.compute}
         if refined:
-            kwargs.update(output_bytes=self.output_bytes, grad_bytes=self.grad_bytes,
-                          transient_bytes=self.transient_bytes, head_bytes=self.head_bytes,
-                          head_grad_bytes=self.head_grad_bytes, output_saved=self.output_saved)
+            kwargs.update(
+                output_bytes=self.output_bytes,
+                grad_bytes=self.grad_bytes,
+                transient_bytes=self.transient_bytes,
+                head_bytes=self.head_bytes,
+                head_grad_bytes=self.head_grad_bytes,
+                output_saved=self.output_saved,
+            )
         return kwargs
 
     def cost(self, plan, refined: bool = True) -> PlanCost:
@@ -95,8 +102,13 @@ class StackProfile:
         return optimal_plan(self.saved_bytes, self.input_bytes, budget_bytes, **self.model_kwargs())
 
 
-def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor] = (),
-                  *, stack: nn.Module | None = None) -> StackProfile:
+def profile_stack(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    inputs: Iterable[torch.Tensor] = (),
+    *,
+    stack: nn.Module | None = None,
+) -> StackProfile:
     """Measure a stack's `StackProfile` on one unchecked forward and backward (lesson 3).
 
     `loss_fn()` runs the forward and returns the loss; `inputs` are the batch tensors it reads. The
@@ -134,6 +146,7 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
             shared[index] = _storage_keys((args[1:], kwargs)) - _storage_keys(hidden)
             if index == 0 and hidden.requires_grad:
                 hidden.register_hook(lambda grad: mark(("bwd", -1)))
+
         return hook
 
     def post(index):
@@ -146,6 +159,7 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
             if index == n - 1:
                 marks["out_bytes"] = hidden.untyped_storage().nbytes()
                 mark("forward_end")
+
         return hook
 
     def pack(tensor):
@@ -188,8 +202,7 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
     out = marks["out_bytes"]
     head = climb("forward_end", ("bwd", n - 1))
     head_grads = max(0, marks[("bwd", n - 1)][1] - marks["forward_end"][1] - out)
-    sizes = [sum(v for k, v in s.items() if k not in outputs[i] and k not in shared[i])
-             for i, s in enumerate(saved)]
+    sizes = [sum(v for k, v in s.items() if k not in outputs[i] and k not in shared[i]) for i, s in enumerate(saved)]
 
     # FLOPs of each layer's forward, on a second, gradient-free pass.
     flops = [0.0] * n
@@ -199,15 +212,20 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
     def flop_pre(index):
         def hook(module, args):
             at[0] = counter.get_total_flops()
+
         return hook
 
     def flop_post(index):
         def hook(module, args, output):
             flops[index] = float(counter.get_total_flops() - at[0])
+
         return hook
 
-    handles = [h for i, layer in enumerate(layers)
-               for h in (layer.register_forward_pre_hook(flop_pre(i)), layer.register_forward_hook(flop_post(i)))]
+    handles = [
+        h
+        for i, layer in enumerate(layers)
+        for h in (layer.register_forward_pre_hook(flop_pre(i)), layer.register_forward_hook(flop_post(i)))
+    ]
     try:
         with torch.no_grad(), counter:
             loss_fn()
@@ -216,7 +234,15 @@ def profile_stack(model: nn.Module, loss_fn: Callable[[], torch.Tensor], inputs:
             handle.remove()
     if not any(flops):
         flops = [1.0] * n
-    return StackProfile(saved_bytes=sizes, input_bytes=in_bytes, output_bytes=out, grad_bytes=grad_bytes,
-                        transient_bytes=transient, head_bytes=head, head_grad_bytes=head_grads,
-                        compute=flops, output_saved=[bool(outputs[i] & set(s)) for i, s in enumerate(saved)],
-                        baseline_input_bytes=in_bytes[0] if in_keys[0] in baseline_keys else 0)
+    return StackProfile(
+        saved_bytes=sizes,
+        input_bytes=in_bytes,
+        output_bytes=out,
+        grad_bytes=grad_bytes,
+        transient_bytes=transient,
+        head_bytes=head,
+        head_grad_bytes=head_grads,
+        compute=flops,
+        output_saved=[bool(outputs[i] & set(s)) for i, s in enumerate(saved)],
+        baseline_input_bytes=in_bytes[0] if in_keys[0] in baseline_keys else 0,
+    )

@@ -23,10 +23,18 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from course_lib.errors import UserError
 
 LINEAR_OPS = tuple(getattr(torch.ops.aten, name) for name in ("mm", "addmm") if hasattr(torch.ops.aten, name))
-ATTENTION_OPS = tuple(getattr(torch.ops.aten, name) for name in (
-    "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
-    if hasattr(torch.ops.aten, name))
+ATTENTION_OPS = tuple(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)
 MATMUL_OPS = LINEAR_OPS + ATTENTION_OPS
 
 
@@ -51,8 +59,7 @@ def save_everything_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE
 
 
-POLICIES = {"korthikanti": korthikanti_policy, "save-matmuls": save_matmuls_policy,
-            "save-all": save_everything_policy}
+POLICIES = {"korthikanti": korthikanti_policy, "save-matmuls": save_matmuls_policy, "save-all": save_everything_policy}
 
 
 def policy_name(policy) -> str:
@@ -72,10 +79,13 @@ def context_fn_for(policy) -> Callable | None:
 
     if isinstance(policy, str):
         if policy not in POLICIES:
-            raise UserError(f"unknown policy {policy!r}: use 'full', one of {', '.join(POLICIES)}, or a policy "
-                            "function (ctx, op, *args, **kwargs) -> CheckpointPolicy")
+            raise UserError(
+                f"unknown policy {policy!r}: use 'full', one of {', '.join(POLICIES)}, or a policy "
+                "function (ctx, op, *args, **kwargs) -> CheckpointPolicy"
+            )
         policy = POLICIES[policy]
     elif not callable(policy):
-        raise UserError(f"a policy is a name or a function (ctx, op, *args, **kwargs) -> CheckpointPolicy, "
-                        f"got {policy!r}")
+        raise UserError(
+            f"a policy is a name or a function (ctx, op, *args, **kwargs) -> CheckpointPolicy, got {policy!r}"
+        )
     return functools.partial(create_selective_checkpoint_contexts, policy)

@@ -6,12 +6,12 @@ not the check's source. `refuse_reference` (or `refusing`) lets a check refuse a
 calls the library's own implementation of what the exercise asks (hints.py).
 """
 
-from course_lib.checks.hints import NOT_DONE, CheckFailed, hints_only, refuse_reference, refusing  # noqa: F401
-from course_lib.checks.measuring import *  # noqa: F401,F403  lesson 0
-from course_lib.checks.adam import *  # noqa: F401,F403  lesson 1
 from course_lib.checks.accumulation import *  # noqa: F401,F403  lesson 2
 from course_lib.checks.accumulation_window import *  # noqa: F401,F403  lesson 2, exercise 2.2
+from course_lib.checks.adam import *  # noqa: F401,F403  lesson 1
 from course_lib.checks.checkpointing import *  # noqa: F401,F403  lesson 3
+from course_lib.checks.hints import NOT_DONE, CheckFailed, hints_only, refuse_reference, refusing  # noqa: F401
+from course_lib.checks.measuring import *  # noqa: F401,F403  lesson 0
 from course_lib.checks.paging import *  # noqa: F401,F403  lesson 4
 from course_lib.checks.qlora import *  # noqa: F401,F403  lesson 5
 from course_lib.checks.sharding import *  # noqa: F401,F403  lesson 6

@@ -25,17 +25,23 @@ def _layout_hint(got: dict, n: int, precision: str, optimizer: str) -> str | Non
     buffers = _BUFFERS[optimizer]
     if precision == "mixed-bf16":
         if per["weights"] == 4 and per["gradients"] == 4 and per["master_weights"] == 0:
-            return ("that is torch AMP's layout (fp32 weights and gradients, bf16 only inside autocast, no copy): "
-                    "the same total, other tensors. Here the model itself is in bf16 (2 B weights, 2 B gradients) "
-                    "and the optimizer updates an fp32 master copy of the weights (4 B)")
+            return (
+                "that is torch AMP's layout (fp32 weights and gradients, bf16 only inside autocast, no copy): "
+                "the same total, other tensors. Here the model itself is in bf16 (2 B weights, 2 B gradients) "
+                "and the optimizer updates an fp32 master copy of the weights (4 B)"
+            )
         if per["weights"] == 4 and per["master_weights"] == 4:
             return "the weights the model runs with are bf16 (2 B): the fp32 copy is master_weights, counted once"
         if per["master_weights"] == 0:
-            return ("you left out the fp32 master copy of the weights (4 B/param): the optimizer updates fp32 "
-                    "weights, then copies them to bf16")
+            return (
+                "you left out the fp32 master copy of the weights (4 B/param): the optimizer updates fp32 "
+                "weights, then copies them to bf16"
+            )
         if per["gradients"] == 4:
-            return ("the gradients are bf16 here, like the weights (2 B/param): fp32 gradients (Megatron's "
-                    "main_grad) are the 18 B/param recipe")
+            return (
+                "the gradients are bf16 here, like the weights (2 B/param): fp32 gradients (Megatron's "
+                "main_grad) are the 18 B/param recipe"
+            )
         if buffers and per["optimizer_state"] == 2 * buffers:
             return "the optimizer state is fp32 (4 B a value): it updates the fp32 master weights"
     if precision != "mixed-bf16" and per["master_weights"]:
@@ -44,8 +50,7 @@ def _layout_hint(got: dict, n: int, precision: str, optimizer: str) -> str | Non
         return "plain SGD keeps no state: it updates each weight from its gradient alone"
     value = 2 if precision == "bf16" else 4
     if precision == "bf16" and buffers and per["optimizer_state"] == 4 * buffers:
-        return ("in pure bf16, torch keeps the optimizer state in the parameter's dtype (2 bytes a value), "
-                "not in fp32")
+        return "in pure bf16, torch keeps the optimizer state in the parameter's dtype (2 bytes a value), not in fp32"
     if optimizer == "momentum" and per["optimizer_state"] == 2 * value:
         return "SGD with momentum keeps ONE buffer per parameter (Adam keeps two)"
     if precision != "fp32" and (per["weights"] == 4 or per["gradients"] == 4):
@@ -66,15 +71,21 @@ def check_model_state_bytes(model_state_bytes) -> None:
                 assert got is not None, "model_state_bytes returned None: return a dict of bytes by category"
                 if not isinstance(got, dict):
                     per_param = f" ({got / n:g} B/param)" if isinstance(got, (int, float)) else ""
-                    raise AssertionError(f"{case}: you returned {got!r}{per_param}; return a dict with the bytes of "
-                                         f"each of {', '.join(CATEGORIES)}, not one number")
+                    raise AssertionError(
+                        f"{case}: you returned {got!r}{per_param}; return a dict with the bytes of "
+                        f"each of {', '.join(CATEGORIES)}, not one number"
+                    )
                 assert set(got) == set(CATEGORIES), (
                     f"{case}: your dict has the keys {sorted(got)}; give exactly {', '.join(CATEGORIES)} "
-                    "(0 where a recipe keeps none)")
+                    "(0 where a recipe keeps none)"
+                )
                 hint = _layout_hint(got, n, precision, optimizer)
                 assert hint is None or got == expected, f"{case}: {hint}"
-                wrong = [f"{c} {got[c]:,} B ({got[c] / n:g} B/param), expected {expected[c]:,} ({expected[c] / n:g} "
-                         "B/param)" for c in CATEGORIES if got[c] != expected[c]]
+                wrong = [
+                    f"{c} {got[c]:,} B ({got[c] / n:g} B/param), expected {expected[c]:,} ({expected[c] / n:g} B/param)"
+                    for c in CATEGORIES
+                    if got[c] != expected[c]
+                ]
                 assert not wrong, f"{case}: " + "; ".join(wrong)
     passed("Correct: 16 bytes per parameter for mixed-precision Adam (2 + 2 + 8 + 4), and every other recipe.")
 
@@ -92,8 +103,11 @@ def _real_8bit_state(numel: int) -> int | None:
         param.grad = torch.randn_like(param)
         optimizer.step()
     state = optimizer.state[param]
-    return sum(v.untyped_storage().nbytes() for k, v in state.items()
-               if isinstance(v, torch.Tensor) and not k.startswith("qmap"))
+    return sum(
+        v.untyped_storage().nbytes()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and not k.startswith("qmap")
+    )
 
 
 def check_adamw8bit_state_bytes(adamw8bit_state_bytes) -> None:
@@ -109,16 +123,22 @@ def check_adamw8bit_state_bytes(adamw8bit_state_bytes) -> None:
             got = adamw8bit_state_bytes(numel)
         assert got is not None, "adamw8bit_state_bytes returned None: return the number of bytes"
         if numel < 4096 and got != expected:
-            raise AssertionError(f"numel={numel}: tensors with fewer than 4096 elements keep 32-bit state "
-                                 f"(two fp32 moments: {expected} bytes), not 8-bit")
+            raise AssertionError(
+                f"numel={numel}: tensors with fewer than 4096 elements keep 32-bit state "
+                f"(two fp32 moments: {expected} bytes), not 8-bit"
+            )
         if got == 2 * numel:
-            raise AssertionError(f"numel={numel}: the two uint8 moments are right, but each block of 256 values "
-                                 "also stores a float32 absmax, for each of the two moments")
+            raise AssertionError(
+                f"numel={numel}: the two uint8 moments are right, but each block of 256 values "
+                "also stores a float32 absmax, for each of the two moments"
+            )
         if got == 2 * numel + 8 * (numel // 256) and numel % 256:
-            raise AssertionError(f"numel={numel}: a last, partial block also gets its absmax: round the number "
-                                 "of blocks up (math.ceil)")
-        assert got == expected, (f"numel={numel}: expected {expected} bytes "
-                                 f"({expected / numel:.5f} B/param), got {got}")
+            raise AssertionError(
+                f"numel={numel}: a last, partial block also gets its absmax: round the number of blocks up (math.ceil)"
+            )
+        assert got == expected, f"numel={numel}: expected {expected} bytes ({expected / numel:.5f} B/param), got {got}"
     ratio = optimizer_state_bytes("adamw8bit", [2**20], 4) / 2**20
-    passed(f"Correct: {ratio:.5f} bytes per parameter on a 1M tensor (2 + 8/256, plus the two 1 KiB qmaps); "
-          "small tensors fall back to 8.")
+    passed(
+        f"Correct: {ratio:.5f} bytes per parameter on a 1M tensor (2 + 8/256, plus the two 1 KiB qmaps); "
+        "small tensors fall back to 8."
+    )

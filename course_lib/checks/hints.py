@@ -44,7 +44,8 @@ def assert_byte_count(value, function: str) -> None:
     type is named, so that "168" is not shown as if it were the number 168 (lesson 0's exercises)."""
     assert value is not None, f"{function} returned None: return the number of bytes"
     assert isinstance(value, numbers.Integral) and not isinstance(value, bool), (
-        f"{function} returned {value!r}, a {type(value).__name__}: return the number of bytes as an int")
+        f"{function} returned {value!r}, a {type(value).__name__}: return the number of bytes as an int"
+    )
 
 
 def passed(message: str) -> None:
@@ -157,8 +158,10 @@ def refuse_reference(*references, instead: str = "work it out yourself"):
             sys.setprofile(previous)
         threading.setprofile(previous_for_new_threads)
         if called:  # also when the answer then raised: the refusal is the hint that matters
-            raise CheckFailed(f"your answer calls {called[0]}, the course library's own answer, which is what "
-                              f"this check compares with: {instead}")
+            raise CheckFailed(
+                f"your answer calls {called[0]}, the course library's own answer, which is what "
+                f"this check compares with: {instead}"
+            )
 
 
 def refusing(answer: Callable, *references, instead: str = "work it out yourself") -> Callable:

@@ -22,14 +22,19 @@ def _models_and_inputs() -> list[tuple[str, torch.nn.Module, torch.Tensor]]:
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     frozen = torch.nn.Sequential(torch.nn.Embedding(50, 12), torch.nn.LayerNorm(12), torch.nn.Linear(12, 3))
     frozen[0].weight.requires_grad_(False)
-    return [("an fp32 Linear", torch.nn.Linear(3, 5), torch.randn(4, 3)),
-            ("an fp32 MLP", mlp, torch.randn(4, 16)),
-            ("an fp32 Embedding + LayerNorm", torch.nn.Sequential(torch.nn.Embedding(50, 12), torch.nn.LayerNorm(12)),
-             torch.randint(0, 50, (4, 3))),
-            ("an MLP with a tied weight", tied, torch.randn(4, 8)),
-            ("a bf16 MLP", copy.deepcopy(mlp).to(torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)),
-            ("an fp16 Linear", torch.nn.Linear(24, 6).to(torch.float16), torch.randn(4, 24, dtype=torch.float16)),
-            ("a model whose embedding is frozen", frozen, torch.randint(0, 50, (4, 3)))]
+    return [
+        ("an fp32 Linear", torch.nn.Linear(3, 5), torch.randn(4, 3)),
+        ("an fp32 MLP", mlp, torch.randn(4, 16)),
+        (
+            "an fp32 Embedding + LayerNorm",
+            torch.nn.Sequential(torch.nn.Embedding(50, 12), torch.nn.LayerNorm(12)),
+            torch.randint(0, 50, (4, 3)),
+        ),
+        ("an MLP with a tied weight", tied, torch.randn(4, 8)),
+        ("a bf16 MLP", copy.deepcopy(mlp).to(torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)),
+        ("an fp16 Linear", torch.nn.Linear(24, 6).to(torch.float16), torch.randn(4, 24, dtype=torch.float16)),
+        ("a model whose embedding is frozen", frozen, torch.randint(0, 50, (4, 3))),
+    ]
 
 
 def _adam_hint(predicted: int, measured: int, model: torch.nn.Module) -> str | None:
@@ -37,20 +42,27 @@ def _adam_hint(predicted: int, measured: int, model: torch.nn.Module) -> str | N
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     if predicted == measured - 4 * len(trained):
-        return ("almost: each parameter tensor also gets a 'step' counter, a float32 scalar tensor of 4 bytes; "
-                "add it")
+        return "almost: each parameter tensor also gets a 'step' counter, a float32 scalar tensor of 4 bytes; add it"
     if predicted == measured - sum(4 - p.element_size() for p in trained) != measured:
         return "the 'step' counter is a float32 scalar (4 bytes) whatever the parameter's dtype"
     listed = [p for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
     if len(listed) > len(trained) and predicted == sum(2 * p.numel() * p.element_size() + 4 for p in listed):
-        return ("too much: a weight shared by two layers is one Parameter and gets one state; iterate over "
-                "model.parameters(), which lists it once")
+        return (
+            "too much: a weight shared by two layers is one Parameter and gets one state; iterate over "
+            "model.parameters(), which lists it once"
+        )
     if frozen and predicted == measured + sum(2 * p.numel() * p.element_size() + 4 for p in frozen):
-        return ("a frozen parameter (requires_grad=False) gets no gradient, and AdamW keeps no state for a "
-                "parameter without one: leave it out")
-    if predicted != measured and predicted in (sum(8 * p.numel() + 4 for p in ps) for ps in (trained, trained + frozen)):
-        return ("exp_avg and exp_avg_sq take the parameter's dtype: 4 bytes each in fp32 but 2 in bf16 or fp16 "
-                "(p.element_size()), not always 8 bytes per parameter")
+        return (
+            "a frozen parameter (requires_grad=False) gets no gradient, and AdamW keeps no state for a "
+            "parameter without one: leave it out"
+        )
+    if predicted != measured and predicted in (
+        sum(8 * p.numel() + 4 for p in ps) for ps in (trained, trained + frozen)
+    ):
+        return (
+            "exp_avg and exp_avg_sq take the parameter's dtype: 4 bytes each in fp32 but 2 in bf16 or fp16 "
+            "(p.element_size()), not always 8 bytes per parameter"
+        )
     return None
 
 
@@ -67,7 +79,8 @@ def check_adam_state_bytes(adam_state_bytes) -> None:
         assert predicted == measured, (
             f"for {name} with {sum(p.numel() for p in model.parameters())} parameters AdamW allocated "
             f"{measured} bytes of state, you predicted {predicted}: exp_avg and exp_avg_sq take the parameter's "
-            "dtype and shape")
+            "dtype and shape"
+        )
     passed("Correct: your formula matches AdamW's real state on every model: fp32, bf16, fp16, tied and frozen.")
 
 
@@ -88,11 +101,15 @@ def _saved_hint(predicted, batch: int, widths: tuple[int, ...]) -> str | None:
     if predicted == right:
         return None
     if len(widths) > 3 and predicted == 4 * batch * (inputs + widths[1]):
-        return ("every hidden layer's ReLU output is saved (it is the next Linear's input), not only the first "
-                "one's: count each hidden width")
+        return (
+            "every hidden layer's ReLU output is saved (it is the next Linear's input), not only the first "
+            "one's: count each hidden width"
+        )
     if hidden and predicted == 4 * batch * (inputs + 2 * hidden):
-        return ("each hidden activation once: ReLU's output is the next Linear's input (one storage), and the "
-                "Linear's output before ReLU is freed as soon as ReLU has run")
+        return (
+            "each hidden activation once: ReLU's output is the next Linear's input (one storage), and the "
+            "Linear's output before ReLU is freed as soon as ReLU has run"
+        )
     if predicted in (right + 4 * batch * out, 4 * batch * sum(widths)):
         return "the last Linear's output is not saved: the loss .sum() keeps nothing for backward"
     if predicted == 4 * batch * hidden:
@@ -106,8 +123,13 @@ def _saved_hint(predicted, batch: int, widths: tuple[int, ...]) -> str | None:
 
 def check_saved_bytes(saved_bytes) -> None:
     """Exercise 0.2: `saved_bytes(batch, widths)` predicts what an MLP of any depth saves for backward."""
-    for batch, widths in ((1, (3, 5, 2)), (8, (16, 64, 32, 2)), (5, (100, 7, 9, 7, 1)), (3, (10, 3)),
-                          (32, (6, 40, 12, 40, 12, 5))):
+    for batch, widths in (
+        (1, (3, 5, 2)),
+        (8, (16, 64, 32, 2)),
+        (5, (100, 7, 9, 7, 1)),
+        (3, (10, 3)),
+        (32, (6, 40, 12, 40, 12, 5)),
+    ):
         model = _mlp(widths)
         x = torch.randn(batch, widths[0])
         measured = measure_step(model, None, lambda: model(x).sum(), inputs=[x]).saved_for_backward
@@ -119,5 +141,6 @@ def check_saved_bytes(saved_bytes) -> None:
         assert hint is None, f"{case}: {hint}"
         assert predicted == measured, (
             f"{case}: autograd saved {measured} bytes, you predicted {predicted}. Which tensors does each layer "
-            "need for its backward? Weights are parameters, not saved activations.")
+            "need for its backward? Weights are parameters, not saved activations."
+        )
     passed("Correct: your count matches what autograd saved, to the byte, at every depth.")

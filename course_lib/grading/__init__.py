@@ -11,11 +11,23 @@
 - grade: `course-lib grade`, one notebook or a class's folder, into an optional CSV gradebook.
 """
 
-from course_lib.grading.generate import (BEGIN, END, METADATA, learner_fingerprint, make_exercise,  # noqa: F401
-                                           protected_cells, strip_solutions)
+from course_lib.grading.generate import (  # noqa: F401
+    BEGIN,
+    END,
+    METADATA,
+    learner_fingerprint,
+    make_exercise,
+    protected_cells,
+    strip_solutions,
+)
 from course_lib.grading.grade import grade, notebooks_to_grade  # noqa: F401
-from course_lib.grading.kernelspec import (as_jupyterlab_saves, jupyterlab_kernelspec, set_kernelspec,  # noqa: F401
-                                             set_kernelspecs, shown_widget_models)
+from course_lib.grading.kernelspec import (  # noqa: F401
+    as_jupyterlab_saves,
+    jupyterlab_kernelspec,
+    set_kernelspec,
+    set_kernelspecs,
+    shown_widget_models,
+)
 from course_lib.grading.restore import identify, load_references, restore  # noqa: F401
 from course_lib.grading.run import run_notebook  # noqa: F401
 from course_lib.grading.write import MANIFEST, write_exercises  # noqa: F401

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import nbformat
 
-from course_lib.errors import UserError
 from course_lib.course import colab_url
+from course_lib.errors import UserError
 from course_lib.grading.kernelspec import jupyterlab_kernelspec
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"

@@ -66,8 +66,16 @@ class Graded:
         """This notebook's result when its run changed a file it may not (`what`): FAIL for each exercise."""
         detail = f"it modified {what} while it was graded (the file was put back)"
         rows = [[path, label, "FAIL", detail, note, lesson] for path, label, _, _, note, lesson in self.rows]
-        return Graded([self.lines[0], *[f"  FAIL  {row[1]}: {detail}" for row in rows], *put_back,
-                       f"  0 of {self.exercises} exercises passed"], rows, self.exercises)
+        return Graded(
+            [
+                self.lines[0],
+                *[f"  FAIL  {row[1]}: {detail}" for row in rows],
+                *put_back,
+                f"  0 of {self.exercises} exercises passed",
+            ],
+            rows,
+            self.exercises,
+        )
 
 
 def machine_jobs() -> tuple[int, str]:
@@ -86,8 +94,15 @@ def default_reference() -> Path:
     return Path(course_lib.__file__).resolve().parents[1] / "solutions"
 
 
-def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: float, notebook_timeout: float,
-                   problem: str = "", startup_timeout: int = STARTUP_TIMEOUT) -> Graded:
+def grade_notebook(
+    path: str,
+    text: str,
+    reference: dict | None,
+    cell_timeout: float,
+    notebook_timeout: float,
+    problem: str = "",
+    startup_timeout: int = STARTUP_TIMEOUT,
+) -> Graded:
     """Grade one submission (its path, for the report, and its text); `reference` is its exercise from
     the instructor's copy, None when there is none (`problem` then says why). Its rows say ERROR when
     its kernel did not start within `startup_timeout` seconds."""
@@ -123,8 +138,11 @@ def grade_notebook(path: str, text: str, reference: dict | None, cell_timeout: f
     lines += [f"  {result}  {label}" + (f": {detail}" if detail else "") for _, label, result, detail, *_ in rows]
     checks = [record for record in restored.records if record["role"] == "check"]
     passed = sum(1 for row in rows if row[2] == "PASS")
-    lines.append("  not graded: the grader could not start a kernel" if not run.started
-                 else f"  {passed} of {len(checks)} exercises passed")
+    lines.append(
+        "  not graded: the grader could not start a kernel"
+        if not run.started
+        else f"  {passed} of {len(checks)} exercises passed"
+    )
     return Graded(lines, rows, len(checks))
 
 
@@ -156,8 +174,11 @@ def _read_submission(path: Path) -> tuple[bytes, nbformat.NotebookNode | None, s
     try:
         return data, nbformat.reads(data.decode(), as_version=4), ""
     except Exception as error:  # nbformat raises several kinds on a broken file
-        return data, None, f"not a readable notebook ({type(error).__name__}): re-download it or start again " \
-                           "from the exercise"
+        return (
+            data,
+            None,
+            f"not a readable notebook ({type(error).__name__}): re-download it or start again from the exercise",
+        )
 
 
 def _check_gradebook_path(csv_path: str, kind: str = "csv") -> None:
@@ -220,12 +241,18 @@ def _grade_all(tasks: list[tuple], jobs: int, watched: Watched) -> dict[int, Gra
             for i, graded in _graded(list(pending.items()), workers, startup_timeout):
                 path, changed = tasks[i][0], watched.changed()
                 if graded.not_started and n < len(tries):
-                    bar.write(f"{path}: the grader could not start a kernel; it is graded again at the end, "
-                              f"alone, with {RETRY_STARTUP_TIMEOUT} s for its kernel to start", file=sys.stdout)
+                    bar.write(
+                        f"{path}: the grader could not start a kernel; it is graded again at the end, "
+                        f"alone, with {RETRY_STARTUP_TIMEOUT} s for its kernel to start",
+                        file=sys.stdout,
+                    )
                     continue
                 if changed and not alone:
-                    bar.write(f"{path}: a file no submission may change ({changed[0]}) changed while it was graded "
-                              "with others; it is graded again at the end, alone", file=sys.stdout)
+                    bar.write(
+                        f"{path}: a file no submission may change ({changed[0]}) changed while it was graded "
+                        "with others; it is graded again at the end, alone",
+                        file=sys.stdout,
+                    )
                     continue
                 if changed:
                     graded = graded.modified(watched.what(changed[0]), watched.put_back(changed, path))
@@ -261,22 +288,27 @@ def _check_reference(reference: Path, submissions: list[tuple], references: dict
     submission is (the reference's fault, not the submission's)."""
     for path, _, notebook, _ in submissions:
         if path.resolve().parent == reference.resolve():
-            raise UserError(f"{reference}: the folder the check cells come from holds {path}, a notebook being "
-                            "graded: the submissions would bring their own checks; give --reference the course's "
-                            "solutions/ or exercises/")
+            raise UserError(
+                f"{reference}: the folder the check cells come from holds {path}, a notebook being "
+                "graded: the submissions would bring their own checks; give --reference the course's "
+                "solutions/ or exercises/"
+            )
         course = {p.stem for p in default_reference().glob("*.ipynb")}
         claimed = (notebook is not None and recorded_exercise(notebook)) or path.stem
         if claimed in course and claimed not in references:
-            raise UserError(f"{reference}: no exercise {claimed} (which {path} is); give --reference a folder with "
-                            "every exercise graded, e.g. the course's solutions/")
+            raise UserError(
+                f"{reference}: no exercise {claimed} (which {path} is); give --reference a folder with "
+                "every exercise graded, e.g. the course's solutions/"
+            )
 
 
 def _write_junit(junit_path: str, rows: list[list[str]]) -> None:
     """A JUnit XML report, one test case per gradebook row: a notebook is a class, an exercise a test."""
     failures, errors = sum(row[2] == "FAIL" for row in rows), sum(row[2] == "ERROR" for row in rows)
     suites = ElementTree.Element("testsuites")
-    suite = ElementTree.SubElement(suites, "testsuite", name="course-lib grade", tests=str(len(rows)),
-                                   failures=str(failures), errors=str(errors))
+    suite = ElementTree.SubElement(
+        suites, "testsuite", name="course-lib grade", tests=str(len(rows)), failures=str(failures), errors=str(errors)
+    )
     for path, label, result, detail, _, lesson in rows:
         case = ElementTree.SubElement(suite, "testcase", classname=path, name=label)
         if result != "PASS":
@@ -289,9 +321,17 @@ def _write_junit(junit_path: str, rows: list[list[str]]) -> None:
         raise UserError(f"{junit_path}: cannot write the JUnit report ({error.strerror})") from None
 
 
-def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | None = None,
-          cell_timeout: float = 300, notebook_timeout: float = 1800, jobs: int | None = None,
-          only_errors: bool = False, as_recorded: bool = False, junit_path: str | None = None) -> int:
+def grade(
+    paths: list[str],
+    csv_path: str | None = None,
+    reference_dir: str | None = None,
+    cell_timeout: float = 300,
+    notebook_timeout: float = 1800,
+    jobs: int | None = None,
+    only_errors: bool = False,
+    as_recorded: bool = False,
+    junit_path: str | None = None,
+) -> int:
     """Grade notebooks and folders of notebooks: print PASS/FAIL per exercise with the check's hint, and
     write one CSV row per notebook and exercise to `csv_path` when given (and a JUnit XML test case per
     row to `junit_path`). `jobs` notebooks run at once (None: machine_jobs()); `only_errors` grades again
@@ -304,8 +344,10 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
     earlier = _earlier_gradebook(csv_path) if only_errors else []
     reference = Path(reference_dir) if reference_dir else default_reference()
     if not reference.is_dir():
-        raise UserError(f"{reference}: no such folder to take the check cells from; give --reference the "
-                        "course's exercises/ or solutions/ folder")
+        raise UserError(
+            f"{reference}: no such folder to take the check cells from; give --reference the "
+            "course's exercises/ or solutions/ folder"
+        )
     references = load_references(reference)
     paths_found = notebooks_to_grade(paths)
     if only_errors:
@@ -317,8 +359,10 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
     if jobs is None:
         jobs = can
     elif jobs > can:
-        print(f"course-lib: warning: --jobs {jobs} is more than this machine can grade at once ({can}: {why})",
-              file=sys.stderr)
+        print(
+            f"course-lib: warning: --jobs {jobs} is more than this machine can grade at once ({can}: {why})",
+            file=sys.stderr,
+        )
     submissions = [(path, *_read_submission(path)) for path in paths_found]  # all read before any runs
     _check_reference(reference, submissions, references)
     watched = Watched(reference, {path: data for path, data, *_ in submissions})
@@ -327,21 +371,36 @@ def grade(paths: list[str], csv_path: str | None = None, reference_dir: str | No
         name = notebook and identify(notebook, path, references)
         if name and not as_recorded and (problem := wrong_lesson(notebook, path)):
             name = None
-        tasks.append((str(path), data.decode(errors="replace"), references.get(name) if name else None,
-                      cell_timeout, notebook_timeout, problem))
+        tasks.append(
+            (
+                str(path),
+                data.decode(errors="replace"),
+                references.get(name) if name else None,
+                cell_timeout,
+                notebook_timeout,
+                problem,
+            )
+        )
     results = _grade_all(tasks, jobs, watched)
     rows = [row for i in sorted(results) for row in results[i].rows]
     if len(tasks) > 1:
         passed = sum(1 for row in rows if row[2] == "PASS")
-        print(f"{len(tasks)} notebooks graded: {passed} of {sum(r.exercises for r in results.values())} exercises passed")
+        print(
+            f"{len(tasks)} notebooks graded: {passed} of {sum(r.exercises for r in results.values())} exercises passed"
+        )
     if only_errors:
         rows = _in_place(earlier, rows, {str(path) for path in paths_found})
     not_graded = sorted({row[0] for row in rows if row[2] == "ERROR"})
     if not_graded:
-        rerun = shlex.join(["course-lib", "grade", *paths, "--csv", csv_path, "--only-errors"] if csv_path
-                           else ["course-lib", "grade", *not_graded])
-        print(f"ERROR: the grader could not start a kernel for {len(not_graded)} of the notebooks (a busy machine?); "
-              f"grade them again later: {rerun}")
+        rerun = shlex.join(
+            ["course-lib", "grade", *paths, "--csv", csv_path, "--only-errors"]
+            if csv_path
+            else ["course-lib", "grade", *not_graded]
+        )
+        print(
+            f"ERROR: the grader could not start a kernel for {len(not_graded)} of the notebooks (a busy machine?); "
+            f"grade them again later: {rerun}"
+        )
     if csv_path is not None:
         try:
             with open(csv_path, "w", newline="") as file:

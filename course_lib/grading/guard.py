@@ -47,12 +47,16 @@ class Watched:
                     path.replace(aside)
                 if path in self.files:
                     path.write_bytes(self.files[path])
-                    lines.append(f"put back {path}: {by}'s code changed it while it was graded (what it was changed "
-                                 f"to: {aside})")
+                    lines.append(
+                        f"put back {path}: {by}'s code changed it while it was graded (what it was changed to: {aside})"
+                    )
                 else:
-                    lines.append(f"moved {path} to {aside}: {by}'s code wrote it into the reference folder while it "
-                                 "was graded")
+                    lines.append(
+                        f"moved {path} to {aside}: {by}'s code wrote it into the reference folder while it was graded"
+                    )
             except OSError as error:
-                lines.append(f"{path}: {by}'s code changed it while it was graded, and it cannot be put back "
-                             f"({error.strerror}): restore it by hand")
+                lines.append(
+                    f"{path}: {by}'s code changed it while it was graded, and it cannot be put back "
+                    f"({error.strerror}): restore it by hand"
+                )
         return lines

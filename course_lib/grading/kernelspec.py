@@ -44,8 +44,12 @@ def _merged_streams(outputs: list[dict]) -> list[dict]:
     merged: list[dict] = []
     for output in outputs:
         last = merged[-1] if merged else None
-        if output["output_type"] == "stream" and last and last["output_type"] == "stream" \
-                and last["name"] == output["name"]:
+        if (
+            output["output_type"] == "stream"
+            and last
+            and last["output_type"] == "stream"
+            and last["name"] == output["name"]
+        ):
             last["text"] = "".join(last["text"]) + "".join(output["text"])
         else:
             merged.append(output)
@@ -56,8 +60,12 @@ def shown_widget_models(notebook: dict) -> set[str]:
     """The widget models an output of `notebook` shows, and the models those refer to (children, layout,
     style), as far as its saved widget state holds them (lesson 1's planner)."""
     state = notebook.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-    todo = [output["data"][WIDGET_VIEW]["model_id"] for cell in notebook["cells"] for output in cell.get("outputs", [])
-            if WIDGET_VIEW in output.get("data", {})]
+    todo = [
+        output["data"][WIDGET_VIEW]["model_id"]
+        for cell in notebook["cells"]
+        for output in cell.get("outputs", [])
+        if WIDGET_VIEW in output.get("data", {})
+    ]
     shown: set[str] = set()
     while todo:
         model = todo.pop()
@@ -91,8 +99,10 @@ def _read_notebook(path: Path) -> nbformat.NotebookNode:
     except Exception as error:  # nbformat raises several kinds on a broken file
         raise UserError(f"{path}: not a readable notebook ({type(error).__name__}); nothing was changed") from None
     if notebook.get("nbformat") != 4:
-        raise UserError(f"{path}: a notebook of nbformat {notebook.get('nbformat')}, which rewriting would convert "
-                        "to 4; open and save it in JupyterLab first; nothing was changed")
+        raise UserError(
+            f"{path}: a notebook of nbformat {notebook.get('nbformat')}, which rewriting would convert "
+            "to 4; open and save it in JupyterLab first; nothing was changed"
+        )
     return notebook
 
 

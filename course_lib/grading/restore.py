@@ -21,10 +21,12 @@ from course_lib.errors import UserError
 from course_lib.grading.generate import METADATA, make_exercise, source_hash
 
 # Prepended to each restored check cell: only the standard library, so no learner's patch reaches it.
-FRESH_CHECKS = ("import importlib, sys  # course-lib grade: the checks, imported afresh\n"
-                "for _module in [m for m in sys.modules if m == 'course_lib.checks' or m.startswith('course_lib.checks.')]:\n"
-                "    del sys.modules[_module]\n"
-                "checks = importlib.import_module('course_lib.checks')\n")
+FRESH_CHECKS = (
+    "import importlib, sys  # course-lib grade: the checks, imported afresh\n"
+    "for _module in [m for m in sys.modules if m == 'course_lib.checks' or m.startswith('course_lib.checks.')]:\n"
+    "    del sys.modules[_module]\n"
+    "checks = importlib.import_module('course_lib.checks')\n"
+)
 
 
 def load_references(folder: Path) -> dict[str, nbformat.NotebookNode]:
@@ -37,18 +39,24 @@ def load_references(folder: Path) -> dict[str, nbformat.NotebookNode]:
             if METADATA not in notebook.metadata:
                 notebook = make_exercise(notebook, f"solutions/{path.name}", f"exercises/{path.name}")
         except Exception as error:  # a broken file, no solution block, no check cell
-            raise UserError(f"{path}: not a usable reference exercise ({error}); give --reference a folder "
-                            "of the course's exercises or solutions") from None
+            raise UserError(
+                f"{path}: not a usable reference exercise ({error}); give --reference a folder "
+                "of the course's exercises or solutions"
+            ) from None
         by_id = {cell.get("id"): cell for cell in notebook.cells}
         for record in notebook.metadata[METADATA]["cells"]:
             cell = by_id.get(record["id"])
             if cell is None or source_hash(cell.source) != record["sha256"]:
-                raise UserError(f"{path}: {record['label']} differs from what the notebook records; "
-                                "regenerate it with course-lib make-exercises")
+                raise UserError(
+                    f"{path}: {record['label']} differs from what the notebook records; "
+                    "regenerate it with course-lib make-exercises"
+                )
         references[notebook.metadata[METADATA]["exercise"]] = notebook
     if not references:
-        raise UserError(f"{folder}: no notebooks to take the check cells from; give --reference the "
-                        "course's exercises/ or solutions/ folder")
+        raise UserError(
+            f"{folder}: no notebooks to take the check cells from; give --reference the "
+            "course's exercises/ or solutions/ folder"
+        )
     return references
 
 
@@ -78,9 +86,11 @@ def wrong_lesson(notebook: nbformat.NotebookNode, path: Path) -> str:
     e.g. lesson 0's exercise handed in as 07_the_rest_of_the_toolbox.ipynb."""
     recorded, named = LESSON.match(recorded_exercise(notebook) or ""), LESSON.match(path.name)
     if recorded and named and recorded.group(1) != named.group(1):
-        return (f"the wrong lesson: this is {recorded_exercise(notebook)}'s exercise, handed in as lesson "
-                f"{named.group(1)}'s; hand in lesson {named.group(1)}'s exercise (or grade it as what it is with "
-                "--as-recorded)")
+        return (
+            f"the wrong lesson: this is {recorded_exercise(notebook)}'s exercise, handed in as lesson "
+            f"{named.group(1)}'s; hand in lesson {named.group(1)}'s exercise (or grade it as what it is with "
+            "--as-recorded)"
+        )
     return ""
 
 
@@ -125,7 +135,7 @@ def restore(submission: nbformat.NotebookNode, reference: nbformat.NotebookNode)
         if cell.get("id") not in protected:
             continue
         after = [at[i] + 1 for i in reversed(ids[:r]) if i in at and i not in protected][:1]
-        upto = [at[i] for i in ids[r + 1:] if i in at and i not in protected][:1]
+        upto = [at[i] for i in ids[r + 1 :] if i in at and i not in protected][:1]
         lowest, highest = (after or [0])[0], (upto or [len(learner)])[0]
         slot, why = highest, []  # its place: after the learner's cells of its exercise, before the next's
         if cell.id not in where_now:

@@ -34,7 +34,6 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 from course_lib.errors import NOT_DONE
 
-
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
 
@@ -104,8 +103,13 @@ def _one_line(ename: str, evalue: str) -> str:
     return text if ename == "CheckFailed" else f"{ename}: {text}" if text else ename
 
 
-def run_notebook(notebook: nbformat.NotebookNode, folder: Path, cell_timeout: float,
-                 notebook_timeout: float, startup_timeout: int = 120) -> NotebookRun:
+def run_notebook(
+    notebook: nbformat.NotebookNode,
+    folder: Path,
+    cell_timeout: float,
+    notebook_timeout: float,
+    startup_timeout: int = 120,
+) -> NotebookRun:
     """Run `notebook`'s code cells in a new kernel started in `folder`, which has `startup_timeout`
     seconds to reply; each cell may take `cell_timeout` seconds and all of them `notebook_timeout`.
     The notebook's outputs are filled in. Every process its code started is killed when it ends (module
@@ -117,9 +121,16 @@ def run_notebook(notebook: nbformat.NotebookNode, folder: Path, cell_timeout: fl
     def limit(cell) -> int:
         return max(1, math.ceil(min(cell_timeout, deadline - time.monotonic())))
 
-    client = NotebookClient(notebook, timeout_func=limit, kernel_name="python3", kernel_manager_class=_ThisPythonsKernel,
-                            resources={"metadata": {"path": str(folder)}}, force_raise_errors=True,
-                            shutdown_kernel="immediate", startup_timeout=startup_timeout)
+    client = NotebookClient(
+        notebook,
+        timeout_func=limit,
+        kernel_name="python3",
+        kernel_manager_class=_ThisPythonsKernel,
+        resources={"metadata": {"path": str(folder)}},
+        force_raise_errors=True,
+        shutdown_kernel="immediate",
+        startup_timeout=startup_timeout,
+    )
     run = NotebookRun(started=False)
     try:
         with client.setup_kernel(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
@@ -139,8 +150,11 @@ def run_notebook(notebook: nbformat.NotebookNode, folder: Path, cell_timeout: fl
                 _kill([p for kernel in _new_children(children_before) for p in _descendants(kernel)])
     except CellTimeoutError:
         whole = deadline - time.monotonic() < 1
-        run.stopped = (f"timed out: the notebook ran past its {notebook_timeout:g} s limit, in {{where}}" if whole
-                       else f"timed out: {{where}} ran past the {cell_timeout:g} s limit of a cell")
+        run.stopped = (
+            f"timed out: the notebook ran past its {notebook_timeout:g} s limit, in {{where}}"
+            if whole
+            else f"timed out: {{where}} ran past the {cell_timeout:g} s limit of a cell"
+        )
     except DeadKernelError:
         run.stopped = "kernel died in {where} (its code exited Python, crashed it or ran out of memory)"
     except Exception as error:  # before the kernel is up: it did not start (nbclient says why)

@@ -28,11 +28,15 @@ def _read_manifest(path: Path) -> dict[str, str]:
     try:
         manifest = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError) as error:
-        raise UserError(f"{path}: cannot read the record of generated exercises ({error}); move it away, "
-                        "then every existing exercise is kept as possibly edited") from None
+        raise UserError(
+            f"{path}: cannot read the record of generated exercises ({error}); move it away, "
+            "then every existing exercise is kept as possibly edited"
+        ) from None
     if not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values()):
-        raise UserError(f"{path}: not a record of generated exercises; move it away, then every existing "
-                        "exercise is kept as possibly edited")
+        raise UserError(
+            f"{path}: not a record of generated exercises; move it away, then every existing "
+            "exercise is kept as possibly edited"
+        )
     return manifest
 
 
@@ -79,15 +83,17 @@ def _exercises_from(solved: list[Path], solutions_dir: Path, exercises_dir: Path
         except Exception as error:  # nbformat raises several kinds on a broken file
             raise UserError(f"{path}: not a readable notebook ({type(error).__name__}); nothing was written") from None
         try:
-            made[exercises_dir / path.name] = make_exercise(solution, f"{solutions_dir.name}/{path.name}",
-                                                            f"{exercises_dir.name}/{path.name}")
+            made[exercises_dir / path.name] = make_exercise(
+                solution, f"{solutions_dir.name}/{path.name}", f"{exercises_dir.name}/{path.name}"
+            )
         except ValueError as error:
             raise UserError(f"{error}; nothing was written") from None
     return made
 
 
-def write_exercises(solutions_dir: str | Path = "solutions", exercises_dir: str | Path = "exercises",
-                    force: bool = False) -> list[str]:
+def write_exercises(
+    solutions_dir: str | Path = "solutions", exercises_dir: str | Path = "exercises", force: bool = False
+) -> list[str]:
     """Write exercises/NN_x.ipynb for every solutions/NN_x.ipynb; return one line per notebook.
 
     An exercise is overwritten only when its cells are still what was generated last time (the
@@ -95,8 +101,10 @@ def write_exercises(solutions_dir: str | Path = "solutions", exercises_dir: str 
     """
     solutions_dir, exercises_dir = Path(solutions_dir), Path(exercises_dir)
     if solutions_dir.resolve() == exercises_dir.resolve():
-        raise UserError(f"{solutions_dir} and {exercises_dir} are the same folder: the exercises would replace "
-                        "the solutions; give another --exercises folder")
+        raise UserError(
+            f"{solutions_dir} and {exercises_dir} are the same folder: the exercises would replace "
+            "the solutions; give another --exercises folder"
+        )
     solved = sorted(solutions_dir.glob("*.ipynb"))
     if not solved:
         raise UserError(f"no notebooks in {solutions_dir}/: run this from the course's root folder")
@@ -106,9 +114,11 @@ def write_exercises(solutions_dir: str | Path = "solutions", exercises_dir: str 
     report = []
     for target in made:
         if not force and target.is_file() and not _readable(target.read_text(errors="replace")):
-            raise UserError(f"{target}: not a readable notebook (a write cut short?), so not what was generated nor "
-                            "a learner's work saved by Jupyter; nothing was written: move it away, or pass --force "
-                            "to write it again")
+            raise UserError(
+                f"{target}: not a readable notebook (a write cut short?), so not what was generated nor "
+                "a learner's work saved by Jupyter; nothing was written: move it away, or pass --force "
+                "to write it again"
+            )
     try:
         exercises_dir.mkdir(parents=True, exist_ok=True)
         for target, exercise in made.items():
@@ -120,8 +130,10 @@ def write_exercises(solutions_dir: str | Path = "solutions", exercises_dir: str 
                 _write_whole(target, text)
                 report.append(f"{'wrote' if current is None else 'updated'} {target}")
             else:
-                report.append(f"kept {target}: it was edited since it was generated (your work?); "
-                              "move it away or pass --force to overwrite it")
+                report.append(
+                    f"kept {target}: it was edited since it was generated (your work?); "
+                    "move it away or pass --force to overwrite it"
+                )
                 continue
             if manifest.get(target.name) != (fingerprint := learner_fingerprint(exercise)):
                 manifest[target.name] = fingerprint

@@ -25,9 +25,16 @@ class CPUOffloadAdamW:
     paid every step. Gradient accumulation works (later backward passes add on the host).
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, offload_gradients: bool = True) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        offload_gradients: bool = True,
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise UserError("CPUOffloadAdamW got no parameters that require grad")

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from course_lib.errors import UserError
 from course_lib import isolate
 from course_lib.checkpointing import mlp_stack
 from course_lib.device import synchronize
+from course_lib.errors import UserError
 from course_lib.measure import GiB
 from course_lib.paging.cpu_offload import CPUOffloadAdamW
 from course_lib.paging.policies import Hardware
@@ -32,7 +32,7 @@ from course_lib.paging.trace import TrainingSetup, params_from_module, training_
 from course_lib.paging.virtual_gpu import VirtualGPU, release_cuda_memory
 
 DEMO_OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "cpu_offload_adamw")
-MARGIN = 0.15   # every OOM / no-OOM outcome of the demo is at least this far from the capacity
+MARGIN = 0.15  # every OOM / no-OOM outcome of the demo is at least this far from the capacity
 
 
 def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 1e-4):
@@ -44,8 +44,12 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 
         return CPUOffloadAdamW(params, lr=lr)
     import bitsandbytes as bnb  # imported only when asked for: it loads its CUDA library
 
-    makers = {"paged_adamw_32bit": bnb.optim.PagedAdamW32bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-              "adamw_32bit": bnb.optim.AdamW32bit, "adamw_8bit": bnb.optim.AdamW8bit}
+    makers = {
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "adamw_32bit": bnb.optim.AdamW32bit,
+        "adamw_8bit": bnb.optim.AdamW8bit,
+    }
     if name not in makers:
         raise UserError(f"unknown optimizer {name!r}: use one of {('adamw', 'cpu_offload_adamw', *makers)}")
     return makers[name](params, lr=lr)
@@ -63,8 +67,9 @@ def mlp_setup(shape: dict[str, int], optimizer: str = "paged_adamw_32bit"):
     activations it saves per token (one hidden-sized fp32 vector per layer, plus the input)."""
 
     params = params_from_module(mlp(shape["hidden"], shape["layers"], "meta"))
-    return TrainingSetup(tuple(params), optimizer,
-                         activation_bytes_per_token=(shape["layers"] + 1) * shape["hidden"] * 4)
+    return TrainingSetup(
+        tuple(params), optimizer, activation_bytes_per_token=(shape["layers"] + 1) * shape["hidden"] * 4
+    )
 
 
 def demo_shape(capacity: int) -> dict[str, int]:
@@ -78,8 +83,12 @@ def demo_shape(capacity: int) -> dict[str, int]:
     return {"hidden": hidden, "layers": layers, "tokens": tokens}
 
 
-def demo_margins(capacity: int, shape: dict[str, int] | None = None,
-                 optimizers: Sequence[str] = DEMO_OPTIMIZERS, tokens: int | None = None) -> dict[str, dict[str, float]]:
+def demo_margins(
+    capacity: int,
+    shape: dict[str, int] | None = None,
+    optimizers: Sequence[str] = DEMO_OPTIMIZERS,
+    tokens: int | None = None,
+) -> dict[str, dict[str, float]]:
     """What each demo row needs over `capacity`, simulated on an unbounded device (lesson 4): "ordinary"
     is PyTorch's peak reserve (blocks rounded, foreach temporaries), "total" adds the resident paged
     state, "activations" is their share. Whether the allocator reuses the activations' freed blocks
@@ -105,7 +114,7 @@ def demo_claims(margins: dict[str, dict[str, float]]) -> dict[str, bool]:
     reused (lesson 4): plain AdamW runs out of memory; every other row completes; paged 32-bit state
     pages; the 8-bit rows move nothing."""
     low, high = 1 - MARGIN, 1 + MARGIN
-    worst = {name: m["ordinary"] + m["activations"] for name, m in margins.items()}   # no reuse
+    worst = {name: m["ordinary"] + m["activations"] for name, m in margins.items()}  # no reuse
     claims = {"adamw runs out of memory": margins["adamw"]["ordinary"] >= high}
     for name in DEMO_OPTIMIZERS[1:]:
         claims[f"{name} completes"] = worst[name] <= low
@@ -127,12 +136,20 @@ def spike_plan(capacity: int, shape: dict[str, int] | None = None) -> dict:
     normal = demo_margins(big, shape, pair)
     spike = demo_margins(big, shape, pair, tokens=11 * t)
     low, high = 1 - MARGIN, 1 + MARGIN
-    claims = {"unpaged fits the normal steps": normal["adamw_32bit"]["ordinary"] + normal["adamw_32bit"]["activations"] <= low,
-              "unpaged runs out of memory at the spike": spike["adamw_32bit"]["ordinary"] >= high,
-              "paged survives the spike": spike["paged_adamw_32bit"]["ordinary"] <= low,
-              "paged evicts state at the spike": spike["paged_adamw_32bit"]["total"] >= high}
-    return {"capacity": big, "tokens": [t, t, 11 * t, t, t, t], "spike_step": 2, "claims": claims,
-            "margins": {"normal": normal, "spike": spike}}
+    claims = {
+        "unpaged fits the normal steps": normal["adamw_32bit"]["ordinary"] + normal["adamw_32bit"]["activations"]
+        <= low,
+        "unpaged runs out of memory at the spike": spike["adamw_32bit"]["ordinary"] >= high,
+        "paged survives the spike": spike["paged_adamw_32bit"]["ordinary"] <= low,
+        "paged evicts state at the spike": spike["paged_adamw_32bit"]["total"] >= high,
+    }
+    return {
+        "capacity": big,
+        "tokens": [t, t, 11 * t, t, t, t],
+        "spike_step": 2,
+        "claims": claims,
+        "margins": {"normal": normal, "spike": spike},
+    }
 
 
 @dataclass
@@ -149,7 +166,7 @@ class StepRecord:
     allocated: int
     reserved: int
     used: int
-    outside_allocator: int = 0   # growth since the warm-up of device memory PyTorch did not reserve
+    outside_allocator: int = 0  # growth since the warm-up of device memory PyTorch did not reserve
 
 
 @dataclass
@@ -167,16 +184,22 @@ class DemoRun:
         return asdict(self)
 
 
-def run_training(optimizer_name: str, shape: dict[str, int], steps: int, gpu: VirtualGPU | None = None,
-                 tokens_per_step: Sequence[int] | None = None, empty_cache_after: Iterable[int] = (),
-                 seed: int = 0) -> DemoRun:
+def run_training(
+    optimizer_name: str,
+    shape: dict[str, int],
+    steps: int,
+    gpu: VirtualGPU | None = None,
+    tokens_per_step: Sequence[int] | None = None,
+    empty_cache_after: Iterable[int] = (),
+    seed: int = 0,
+) -> DemoRun:
     """Train the demo MLP for `steps` steps with one optimizer; catch running out of memory (lesson 4)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
     tokens_per_step = list(tokens_per_step or [shape["tokens"]] * steps)
     flush = set(empty_cache_after)
     run = DemoRun(optimizer_name, "ok")
-    model = opt = timeline = x = loss = None
+    model = opt = timeline = x = loss = None  # noqa: F841 (an OOM mid-step leaves x and loss bound: drop them before release_cuda_memory)
     try:
         model = mlp(shape["hidden"], shape["layers"], device)
         opt = make_optimizer(optimizer_name, list(model.parameters()))
@@ -205,21 +228,28 @@ def run_training(optimizer_name: str, shape: dict[str, int], steps: int, gpu: Vi
             reserved = gpu.reserved() if gpu else (torch.cuda.memory_reserved() if device == "cuda" else 0)
             used = gpu.used() if gpu else 0
             outside = gpu.outside_allocator() - gpu.outside_baseline if gpu else 0
-            run.steps.append(StepRecord(optimizer_name, step, tokens, t3 - t0, t1 - t0, t2 - t1, t3 - t2,
-                                        alloc, reserved, used, outside))
+            run.steps.append(
+                StepRecord(
+                    optimizer_name, step, tokens, t3 - t0, t1 - t0, t2 - t1, t3 - t2, alloc, reserved, used, outside
+                )
+            )
         if timeline is not None:
             run.timeline = list(timeline.entries)
         if hasattr(opt, "state_bytes"):
             run.state_bytes = opt.state_bytes()
         else:
-            run.state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values()
-                                  for t in s.values() if isinstance(t, torch.Tensor))
+            run.state_bytes = sum(
+                t.numel() * t.element_size()
+                for s in opt.state.values()
+                for t in s.values()
+                if isinstance(t, torch.Tensor)
+            )
     except torch.cuda.OutOfMemoryError as error:
         run.status, run.error = "out of memory", str(error).splitlines()[0]
     finally:
         if isinstance(opt, CPUOffloadAdamW):
             opt.remove_hooks()
-        model = opt = timeline = x = loss = None
+        model = opt = timeline = x = loss = None  # noqa: F841 (an OOM mid-step leaves x and loss bound: drop them before release_cuda_memory)
         release_cuda_memory()
     return run
 
@@ -230,7 +260,7 @@ def warm_up(device: torch.device) -> None:
     (lesson 4)."""
     model = mlp(64, 2, device)
     for name in ("adamw", "adamw_8bit", "paged_adamw_8bit"):
-        opt = make_optimizer(name, list(model.parameters()))   # 64 x 64 < 1e5 elements: never paged
+        opt = make_optimizer(name, list(model.parameters()))  # 64 x 64 < 1e5 elements: never paged
         model(torch.randn(8, 64, device=device)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -239,8 +269,14 @@ def warm_up(device: torch.device) -> None:
     release_cuda_memory()
 
 
-def demo_row(optimizer: str, shape: dict[str, int], steps: int, capacity: int | None = None,
-             tokens_per_step: Sequence[int] | None = None, empty_cache_after: Sequence[int] = ()) -> dict:
+def demo_row(
+    optimizer: str,
+    shape: dict[str, int],
+    steps: int,
+    capacity: int | None = None,
+    tokens_per_step: Sequence[int] | None = None,
+    empty_cache_after: Sequence[int] = (),
+) -> dict:
     """One row of the demo, meant to run in its own process (`isolate.run`, lesson 4): on CUDA, warm up,
     make the GPU `capacity` bytes big, train; the paged column is what lies outside the allocator
     after the run minus what lay there after the warm-up. On a CPU: just train."""
@@ -249,8 +285,12 @@ def demo_row(optimizer: str, shape: dict[str, int], steps: int, capacity: int | 
     warm_up(torch.device("cuda"))
     with VirtualGPU(capacity or 4 * GiB) as gpu:
         run = run_training(optimizer, shape, steps, gpu, tokens_per_step, empty_cache_after).to_dict()
-        return {**run, "capacity": gpu.capacity, "outside_allocator_after_warm_up": gpu.outside_baseline,
-                "device": torch.cuda.get_device_name()}
+        return {
+            **run,
+            "capacity": gpu.capacity,
+            "outside_allocator_after_warm_up": gpu.outside_baseline,
+            "device": torch.cuda.get_device_name(),
+        }
 
 
 def isolated_runs(rows: Sequence[dict], timeout: float | None = None) -> list[dict]:
@@ -259,18 +299,27 @@ def isolated_runs(rows: Sequence[dict], timeout: float | None = None) -> list[di
     return [isolate.run("course_lib.paging.demo:demo_row", timeout=timeout, **row) for row in rows]
 
 
-def paging_demo(capacity: int = 4 * GiB, steps: int = 5, optimizers: Sequence[str] = DEMO_OPTIMIZERS,
-                shape: dict[str, int] | None = None) -> dict:
+def paging_demo(
+    capacity: int = 4 * GiB,
+    steps: int = 5,
+    optimizers: Sequence[str] = DEMO_OPTIMIZERS,
+    shape: dict[str, int] | None = None,
+) -> dict:
     """Plain AdamW vs bitsandbytes' AdamW8bit, PagedAdamW (32- and 8-bit) and manual offload on a GPU
     made to look `capacity` bytes big (lesson 4, "the real thing"), one process per optimizer. Needs
     CUDA; this process itself never touches the GPU."""
     if not torch.cuda.is_available():
         raise RuntimeError("paging_demo needs a CUDA GPU; on CPU use course_lib.paging (the simulator)")
     shape = shape or demo_shape(capacity)
-    rows = isolated_runs([{"optimizer": name, "shape": shape, "steps": steps, "capacity": capacity}
-                          for name in optimizers])
-    return {"capacity": capacity, "shape": shape, "runs": dict(zip(optimizers, rows)),
-            "margins": demo_margins(capacity, shape)}
+    rows = isolated_runs(
+        [{"optimizer": name, "shape": shape, "steps": steps, "capacity": capacity} for name in optimizers]
+    )
+    return {
+        "capacity": capacity,
+        "shape": shape,
+        "runs": dict(zip(optimizers, rows)),
+        "margins": demo_margins(capacity, shape),
+    }
 
 
 def runs_table(runs: dict[str, dict]) -> str:
@@ -279,8 +328,10 @@ def runs_table(runs: dict[str, dict]) -> str:
     used as nvidia-smi would show it on the small GPU, and "outside": what grew outside PyTorch's
     allocator since the warm-up. For a paged row that is its resident paged state; for the unpaged
     rows it is the noise floor the paged rows are read against."""
-    lines = [f"{'optimizer':<20} {'status':<14} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'opt':>7} "
-             f"{'allocated':>10} {'reserved':>10} {'used':>10} {'outside':>10}"]
+    lines = [
+        f"{'optimizer':<20} {'status':<14} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'opt':>7} "
+        f"{'allocated':>10} {'reserved':>10} {'used':>10} {'outside':>10}"
+    ]
     for name, run in runs.items():
         steps = run.get("steps") or []
         if run.get("status") != "ok" or not steps:
@@ -289,8 +340,10 @@ def runs_table(runs: dict[str, dict]) -> str:
         times = sorted(s["seconds"] for s in (steps[1:] or steps))
         median = times[len(times) // 2]
         last = steps[-1]
-        lines.append(f"{name:<20} {run['status']:<14} {1e3 * median:>8.1f} {1e3 * last['forward']:>6.1f} "
-                     f"{1e3 * last['backward']:>6.1f} {1e3 * last['optimizer_step']:>7.1f} "
-                     f"{last['allocated'] / GiB:>8.2f}Gi {last['reserved'] / GiB:>8.2f}Gi "
-                     f"{last['used'] / GiB:>8.2f}Gi {last['outside_allocator'] / GiB:>8.2f}Gi")
+        lines.append(
+            f"{name:<20} {run['status']:<14} {1e3 * median:>8.1f} {1e3 * last['forward']:>6.1f} "
+            f"{1e3 * last['backward']:>6.1f} {1e3 * last['optimizer_step']:>7.1f} "
+            f"{last['allocated'] / GiB:>8.2f}Gi {last['reserved'] / GiB:>8.2f}Gi "
+            f"{last['used'] / GiB:>8.2f}Gi {last['outside_allocator'] / GiB:>8.2f}Gi"
+        )
     return "\n".join(lines)

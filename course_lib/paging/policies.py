@@ -14,25 +14,25 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from course_lib import validate
-from course_lib.caching_allocator import MIN_BLOCK
-from course_lib.caching_allocator import round_size, segment_size as segment_bytes
+from course_lib.caching_allocator import MIN_BLOCK, round_size
+from course_lib.caching_allocator import segment_size as segment_bytes  # noqa: F401 (course_lib.paging re-exports it)
 from course_lib.errors import UserError
 from course_lib.measure import GiB, KiB, MiB
 
 GB = 10**9
-VA_BLOCK = 2 * MiB          # UVM VA block: the driver's unit of fault servicing and prefetch growth
-ROOT_CHUNK = 2 * MiB        # the driver's unit of eviction
+VA_BLOCK = 2 * MiB  # UVM VA block: the driver's unit of fault servicing and prefetch growth
+ROOT_CHUNK = 2 * MiB  # the driver's unit of eviction
 GRANULARITIES = (4 * KiB, 64 * KiB, 2 * MiB)
 EVICTION_POLICIES = ("allocation", "lru", "mru")
 OPTIMIZERS = ("adamw", "adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
-BNB_PAGED_MIN_NUMEL = 100_000     # bitsandbytes pages only state tensors with numel >= 1e5
-BNB_MIN_8BIT_SIZE = 4096          # smaller tensors keep 32-bit state in 8-bit optimizers
-BNB_BLOCKSIZE = 256               # 8-bit blockwise state: one float32 absmax per 256 values
-PCIE3_X16 = 15.75e9               # bytes/s each way, theoretical (the T4's link)
-T4_FP32_FLOPS = 8.1e12            # the T4's fp32 peak (no TF32); its fp16 tensor cores reach 65e12
-T4_MEMORY_BANDWIDTH = 320e9       # GDDR6
+BNB_PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages only state tensors with numel >= 1e5
+BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit state in 8-bit optimizers
+BNB_BLOCKSIZE = 256  # 8-bit blockwise state: one float32 absmax per 256 values
+PCIE3_X16 = 15.75e9  # bytes/s each way, theoretical (the T4's link)
+T4_FP32_FLOPS = 8.1e12  # the T4's fp32 peak (no TF32); its fp16 tensor cores reach 65e12
+T4_MEMORY_BANDWIDTH = 320e9  # GDDR6
 
-ALLOCATOR_ROUND = MIN_BLOCK         # torch's caching allocator: kMinBlockSize (course_lib.caching_allocator)
+ALLOCATOR_ROUND = MIN_BLOCK  # torch's caching allocator: kMinBlockSize (course_lib.caching_allocator)
 
 
 class PagingError(UserError):
@@ -44,8 +44,7 @@ class OutOfDeviceMemory(RuntimeError):
     exceed the device memory even after every evictable chunk has left (lesson 4, "why it still
     OOMs")."""
 
-    def __init__(self, message: str, *, step: int, phase: str, name: str, requested: int,
-                 available: int) -> None:
+    def __init__(self, message: str, *, step: int, phase: str, name: str, requested: int, available: int) -> None:
         super().__init__(message)
         self.step, self.phase, self.name = step, phase, name
         self.requested, self.available = requested, available
@@ -57,8 +56,13 @@ def _positive(name: str, value: float) -> None:
 
 def _share_of_the_link(prefetch_efficiency: float) -> None:
     """Unified-memory transfers move at most at the link's rate: a share above 0, at most 1."""
-    validate.finite("prefetch_efficiency (a share of the link's bandwidth)", prefetch_efficiency, above=0, at_most=1,
-                    error=PagingError)
+    validate.finite(
+        "prefetch_efficiency (a share of the link's bandwidth)",
+        prefetch_efficiency,
+        above=0,
+        at_most=1,
+        error=PagingError,
+    )
 
 
 @dataclass(frozen=True)
@@ -87,16 +91,25 @@ class Hardware:
     def __post_init__(self) -> None:
         if not isinstance(self.memory, (int, np.integer)) or isinstance(self.memory, bool) or self.memory <= 0:
             raise PagingError(f"memory must be a positive number of bytes, got {self.memory!r}")
-        for name in ("h2d_bandwidth", "d2h_bandwidth", "device_bandwidth", "device_flops",
-                     "pinned_bandwidth", "cpu_adam_rate", "link_bandwidth"):
+        for name in (
+            "h2d_bandwidth",
+            "d2h_bandwidth",
+            "device_bandwidth",
+            "device_flops",
+            "pinned_bandwidth",
+            "cpu_adam_rate",
+            "link_bandwidth",
+        ):
             _positive(name, getattr(self, name))
-        if not isinstance(self.fault_latency, (int, float)) or not math.isfinite(self.fault_latency) \
-                or self.fault_latency < 0:
+        if (
+            not isinstance(self.fault_latency, (int, float))
+            or not math.isfinite(self.fault_latency)
+            or self.fault_latency < 0
+        ):
             raise PagingError(f"fault_latency must be a non-negative number of seconds, got {self.fault_latency!r}")
 
     @classmethod
-    def t4(cls, context: int = 500 * MiB, prefetch_efficiency: float = 0.5,
-           flops: float = T4_FP32_FLOPS) -> Hardware:
+    def t4(cls, context: int = 500 * MiB, prefetch_efficiency: float = 0.5, flops: float = T4_FP32_FLOPS) -> Hardware:
         """A T4 on Colab, as inputs: 15360 MiB shown, minus the CUDA context (300 to 700 MB); 320 GB/s
         GDDR6; 8.1 TFLOP/s, its fp32 peak (the lesson's setups train in fp32; pass 65e12 for fp16
         tensor-core work); PCIe 3.0 x16 (15.75 GB/s each way) with unified-memory transfers at about
@@ -105,22 +118,32 @@ class Hardware:
         context = validate.non_negative_int("context (bytes)", context, error=PagingError)
         _share_of_the_link(prefetch_efficiency)
         _positive("flops", flops)
-        return cls(name="T4 (PCIe 3.0 x16)", memory=15360 * MiB - context,
-                   h2d_bandwidth=prefetch_efficiency * PCIE3_X16,
-                   d2h_bandwidth=prefetch_efficiency * PCIE3_X16,
-                   device_bandwidth=T4_MEMORY_BANDWIDTH, device_flops=flops)
+        return cls(
+            name="T4 (PCIe 3.0 x16)",
+            memory=15360 * MiB - context,
+            h2d_bandwidth=prefetch_efficiency * PCIE3_X16,
+            d2h_bandwidth=prefetch_efficiency * PCIE3_X16,
+            device_bandwidth=T4_MEMORY_BANDWIDTH,
+            device_flops=flops,
+        )
 
     @classmethod
-    def pcie3_x16(cls, memory: int = 16 * GiB, link_bandwidth: float = 16e9,
-                  prefetch_efficiency: float = 0.5) -> Hardware:
+    def pcie3_x16(
+        cls, memory: int = 16 * GiB, link_bandwidth: float = 16e9, prefetch_efficiency: float = 0.5
+    ) -> Hardware:
         """The setting of bitsandbytes' documented estimate: PCIe 3.0 x16 "at 16 GB/s", unified
         memory at half of it. The 125 ms per GB evicted follows from these inputs (1/(16*0.5) s)."""
         _share_of_the_link(prefetch_efficiency)
-        return cls(name="PCIe 3.0 x16 (bitsandbytes' estimate)", memory=memory,
-                   h2d_bandwidth=prefetch_efficiency * link_bandwidth,
-                   d2h_bandwidth=prefetch_efficiency * link_bandwidth,
-                   device_bandwidth=T4_MEMORY_BANDWIDTH, device_flops=T4_FP32_FLOPS,
-                   link_bandwidth=link_bandwidth, pinned_bandwidth=0.8 * link_bandwidth)
+        return cls(
+            name="PCIe 3.0 x16 (bitsandbytes' estimate)",
+            memory=memory,
+            h2d_bandwidth=prefetch_efficiency * link_bandwidth,
+            d2h_bandwidth=prefetch_efficiency * link_bandwidth,
+            device_bandwidth=T4_MEMORY_BANDWIDTH,
+            device_flops=T4_FP32_FLOPS,
+            link_bandwidth=link_bandwidth,
+            pinned_bandwidth=0.8 * link_bandwidth,
+        )
 
     def with_memory(self, memory: int) -> Hardware:
         return replace(self, memory=int(memory))
@@ -128,10 +151,13 @@ class Hardware:
     def scaled_link(self, factor: float) -> Hardware:
         """The same GPU behind a link `factor` times as fast (all host transfers scale)."""
         _positive("factor", factor)
-        return replace(self, h2d_bandwidth=self.h2d_bandwidth * factor,
-                       d2h_bandwidth=self.d2h_bandwidth * factor,
-                       pinned_bandwidth=self.pinned_bandwidth * factor,
-                       link_bandwidth=self.link_bandwidth * factor)
+        return replace(
+            self,
+            h2d_bandwidth=self.h2d_bandwidth * factor,
+            d2h_bandwidth=self.d2h_bandwidth * factor,
+            pinned_bandwidth=self.pinned_bandwidth * factor,
+            link_bandwidth=self.link_bandwidth * factor,
+        )
 
 
 @dataclass(frozen=True)
@@ -155,8 +181,9 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
-            raise PagingError(f"granularity must be one of 4 KiB, 64 KiB, 2 MiB "
-                              f"({GRANULARITIES}), got {self.granularity!r}")
+            raise PagingError(
+                f"granularity must be one of 4 KiB, 64 KiB, 2 MiB ({GRANULARITIES}), got {self.granularity!r}"
+            )
         if self.eviction_unit not in GRANULARITIES:
             raise PagingError(f"eviction_unit must be one of {GRANULARITIES}, got {self.eviction_unit!r}")
         if self.eviction not in EVICTION_POLICIES:
@@ -216,10 +243,10 @@ def _sweep_faults(leaves: int, missing: int, threshold: float) -> int:
         best, span = (page, 1), 2
         while span <= size:  # every level from the leaf to the root: the largest over the threshold wins
             start = page - page % span
-            if resident[start:start + span].sum() > threshold * span:
+            if resident[start : start + span].sum() > threshold * span:
                 best = (start, span)
             span *= 2
-        resident[best[0]:best[0] + best[1]] = True
+        resident[best[0] : best[0] + best[1]] = True
         page += 1
     _SWEEPS[key] = faults
     return faults

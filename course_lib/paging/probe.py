@@ -34,8 +34,8 @@ def managed_buffer(nbytes: int):
 
 
 def _view(buffer, start: int, nbytes: int):
-    view = buffer[start:start + nbytes]
-    view.is_paged, view.page_deviceid = True, buffer.page_deviceid   # what bitsandbytes' kernels check
+    view = buffer[start : start + nbytes]
+    view.is_paged, view.page_deviceid = True, buffer.page_deviceid  # what bitsandbytes' kernels check
     return view
 
 
@@ -46,7 +46,7 @@ def gpu_touch(buffer, start: int = 0, nbytes: int | None = None) -> float:
     view = _view(buffer, start, buffer.numel() - start if nbytes is None else nbytes)
     synchronize()
     t = time.perf_counter()
-    F.fill(view, 1)           # synchronizes: paged operations are asynchronous
+    F.fill(view, 1)  # synchronizes: paged operations are asynchronous
     return time.perf_counter() - t
 
 
@@ -90,12 +90,14 @@ def measure_bandwidths(nbytes: int = 512 * MiB, repeats: int = 3) -> dict[str, f
 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    result = {"pinned_h2d": best(lambda: dev.copy_(host, non_blocking=True)),
-              "pinned_d2h": best(lambda: host.copy_(dev, non_blocking=True))}
-    del host, dev
+    result = {
+        "pinned_h2d": best(lambda: dev.copy_(host, non_blocking=True)),
+        "pinned_d2h": best(lambda: host.copy_(dev, non_blocking=True)),
+    }
+    host = dev = None  # the buffers freed before empty_cache
     torch.cuda.empty_cache()
     paged = managed_buffer(nbytes)
-    gpu_touch(paged)                                  # populated on the GPU
+    gpu_touch(paged)  # populated on the GPU
     prefetch, fault, back = [], [], []
     for _ in range(repeats):
         back.append(host_read(paged, stride=1 << 12))  # every 4 KB page back to the host
@@ -118,7 +120,7 @@ def eviction_order(capacity_chunks: int = 64, extra_chunks: int = 16) -> dict:
     faults back) and far less when it was evicted to the host. Allocation order evicts chunks 0, 1, ...;
     LRU evicts 1, 2, ... and keeps 0."""
     n = capacity_chunks + extra_chunks
-    gpu_touch(managed_buffer(CHUNK))            # load bitsandbytes' kernels before the GPU is made small
+    gpu_touch(managed_buffer(CHUNK))  # load bitsandbytes' kernels before the GPU is made small
     with VirtualGPU(capacity_chunks * CHUNK):
         buffer = managed_buffer(n * CHUNK)
         for i in range(n):
@@ -132,10 +134,21 @@ def eviction_order(capacity_chunks: int = 64, extra_chunks: int = 16) -> dict:
             t = time.perf_counter_ns()
             int(array[i * CHUNK])
             times.append((time.perf_counter_ns() - t) / 1e3)
-    cut = 0.5 * statistics.median(times[-extra_chunks:])   # the last chunks written are surely on the GPU
+    cut = 0.5 * statistics.median(times[-extra_chunks:])  # the last chunks written are surely on the GPU
     evicted = [i for i, us in enumerate(times) if us < cut]
-    verdict = ("no eviction seen" if not evicted else
-               "allocation order" if evicted[:2] == [0, 1] else
-               "LRU" if evicted[0] == 1 else "neither (see read_us)")
-    return {"capacity_chunks": capacity_chunks, "extra_chunks": extra_chunks, "read_us": times,
-            "evicted": evicted, "verdict": verdict}
+    verdict = (
+        "no eviction seen"
+        if not evicted
+        else "allocation order"
+        if evicted[:2] == [0, 1]
+        else "LRU"
+        if evicted[0] == 1
+        else "neither (see read_us)"
+    )
+    return {
+        "capacity_chunks": capacity_chunks,
+        "extra_chunks": extra_chunks,
+        "read_us": times,
+        "evicted": evicted,
+        "verdict": verdict,
+    }

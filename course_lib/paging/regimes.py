@@ -11,8 +11,13 @@ from course_lib import validate
 from course_lib.measure import MiB, format_bytes
 from course_lib.paging.policies import GB, Hardware, PagingError, Policy, _positive
 from course_lib.paging.simulator import SimulationResult, simulate
-from course_lib.paging.trace import (ParamSpec, TrainingSetup, activation_bytes_per_token, training_trace,
-                                     transformer_params)
+from course_lib.paging.trace import (
+    ParamSpec,
+    TrainingSetup,
+    activation_bytes_per_token,
+    training_trace,
+    transformer_params,
+)
 
 
 @dataclass(frozen=True)
@@ -35,8 +40,9 @@ class OffloadResult:
         return self.total / self.compute if self.compute else 1.0
 
 
-def simulate_offload(setup: TrainingSetup, tokens: int, hardware: Hardware | None = None, *,
-                     offload_gradients: bool = True) -> OffloadResult:
+def simulate_offload(
+    setup: TrainingSetup, tokens: int, hardware: Hardware | None = None, *, offload_gradients: bool = True
+) -> OffloadResult:
     """A step of whole-tensor CPU offload of the optimizer (lesson 4), as torchao's `CPUOffloadOptimizer` does
     it: gradients copied to pinned host memory in post-accumulate-grad hooks (overlapping the rest
     of backward), the AdamW step on the CPU, parameters copied back (overlapping the next
@@ -62,13 +68,20 @@ def simulate_offload(setup: TrainingSetup, tokens: int, hardware: Hardware | Non
         per_layer = [sum(p.numel for p in trainable if p.layer == layer) for layer in range(setup.n_layers)]
         grads_on_device = max(per_layer, default=0) * setup.grad_bytes
     peak = cat["weights"] + grads_on_device + cat["activations"]
-    return OffloadResult(compute=forward + backward, grad_copy_exposed=exposed_grad, cpu_step=cpu_step,
-                         param_copy_exposed=exposed_param, device_peak=peak, fits=peak <= hw.memory)
+    return OffloadResult(
+        compute=forward + backward,
+        grad_copy_exposed=exposed_grad,
+        cpu_step=cpu_step,
+        param_copy_exposed=exposed_param,
+        device_peak=peak,
+        fits=peak <= hw.memory,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # The lesson's scenarios
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RegimeResult:
@@ -89,13 +102,13 @@ class RegimeResult:
         return self.paged.slowdown(self.paged.steps[-1])
 
     def summary(self) -> str:
-        unpaged = ("runs out of memory in step "
-                   f"{self.unpaged.oom.step}" if self.unpaged.oom else "fits")
+        unpaged = f"runs out of memory in step {self.unpaged.oom.step}" if self.unpaged.oom else "fits"
         paged = "runs out of memory" if self.paged.oom else "completes"
-        traffic = sum(self.paged.step_stats(s).h2d_bytes + self.paged.step_stats(s).d2h_bytes
-                      for s in self.paged.steps)
-        return (f"{self.name}: paged {paged}, worst step {self.worst_slowdown:.2f}x, last step "
-                f"{self.steady_slowdown:.2f}x, paging traffic {format_bytes(traffic)}; unpaged {unpaged}")
+        traffic = sum(self.paged.step_stats(s).h2d_bytes + self.paged.step_stats(s).d2h_bytes for s in self.paged.steps)
+        return (
+            f"{self.name}: paged {paged}, worst step {self.worst_slowdown:.2f}x, last step "
+            f"{self.steady_slowdown:.2f}x, paging traffic {format_bytes(traffic)}; unpaged {unpaged}"
+        )
 
 
 def lesson_model(n_layers: int, hidden: int = 2048, vocab: int = 50257, **kw) -> list[ParamSpec]:
@@ -103,8 +116,9 @@ def lesson_model(n_layers: int, hidden: int = 2048, vocab: int = 50257, **kw) ->
     return transformer_params(n_layers, hidden, vocab, **kw)
 
 
-def regimes(hardware: Hardware | None = None, policy: Policy | None = None, *, steps: int = 4,
-            tokens: int = 2048) -> dict[str, RegimeResult]:
+def regimes(
+    hardware: Hardware | None = None, policy: Policy | None = None, *, steps: int = 4, tokens: int = 2048
+) -> dict[str, RegimeResult]:
     """The three regimes of lesson 4 on a T4-sized device (hardware defaults to `Hardware.t4()`):
 
     - "fits": a 0.6B-parameter model with paged 32-bit AdamW: nothing moves, slowdown 1.0;
@@ -118,25 +132,30 @@ def regimes(hardware: Hardware | None = None, policy: Policy | None = None, *, s
     act = activation_bytes_per_token(2048, 1)  # per layer; scaled by depth below
 
     def setup(layers: int) -> TrainingSetup:
-        return TrainingSetup(tuple(lesson_model(layers)), "paged_adamw_32bit",
-                             activation_bytes_per_token=act * layers)
+        return TrainingSetup(tuple(lesson_model(layers)), "paged_adamw_32bit", activation_bytes_per_token=act * layers)
 
     out = {}
-    cases = [("fits", 10, [tokens] * steps, ()),
-             ("spike", 10, [tokens] * (steps // 2) + [6 * tokens] + [tokens] * (steps - steps // 2 - 1),
-              (steps // 2,)),
-             ("thrashing", 20, [tokens] * steps, ())]
+    cases = [
+        ("fits", 10, [tokens] * steps, ()),
+        ("spike", 10, [tokens] * (steps // 2) + [6 * tokens] + [tokens] * (steps - steps // 2 - 1), (steps // 2,)),
+        ("thrashing", 20, [tokens] * steps, ()),
+    ]
     for name, layers, per_step, flush in cases:
         s = setup(layers)
         paged = simulate(training_trace(s, per_step, empty_cache_after=flush), hw, policy)
-        unpaged = simulate(training_trace(s.with_optimizer("adamw"), per_step, empty_cache_after=flush),
-                           hw, policy, record_timeline=False)
+        unpaged = simulate(
+            training_trace(s.with_optimizer("adamw"), per_step, empty_cache_after=flush),
+            hw,
+            policy,
+            record_timeline=False,
+        )
         out[name] = RegimeResult(name, paged, unpaged, s, tuple(per_step))
     return out
 
 
-def evicted_per_step_cost(gigabytes: float = 1.0, hardware: Hardware | None = None,
-                          policy: Policy | None = None, steps: int = 3) -> dict[str, float]:
+def evicted_per_step_cost(
+    gigabytes: float = 1.0, hardware: Hardware | None = None, policy: Policy | None = None, steps: int = 3
+) -> dict[str, float]:
     """Simulate a step that evicts `gigabytes` GB of paged state and brings it back (lesson 4,
     "125 ms per GB"): a model whose 32-bit paged state is `gigabytes` GB, on a device just too
     small for it, so every step moves it all. Returns the steady step's evicted GB and milliseconds
@@ -151,16 +170,18 @@ def evicted_per_step_cost(gigabytes: float = 1.0, hardware: Hardware | None = No
     setup = TrainingSetup(tuple(params), "paged_adamw_32bit", activation_bytes_per_token=0)
     cat = setup.bytes_by_category()
     memory = cat["weights"] + cat["gradients"] + cat["optimizer state (paged)"] - 64 * MiB
-    result = simulate(training_trace(setup, [1] * steps), hw.with_memory(memory), policy,
-                      record_timeline=False)
+    result = simulate(training_trace(setup, [1] * steps), hw.with_memory(memory), policy, record_timeline=False)
     if result.oom is not None:
         raise result.oom
     last = result.step_stats(result.steps[-1])
     evicted = last.d2h_bytes / GB
-    return {"evicted_gb": evicted, "ms_per_gb_in": 1e3 * last.h2d_time / evicted,
-            "ms_per_gb_out": 1e3 * last.d2h_time / evicted,
-            "ms_per_gb_total": 1e3 * (last.h2d_time + last.d2h_time + last.fault_time) / evicted,
-            "bnb_estimate_ms_per_gb": 1e3 * GB / hw.h2d_bandwidth}
+    return {
+        "evicted_gb": evicted,
+        "ms_per_gb_in": 1e3 * last.h2d_time / evicted,
+        "ms_per_gb_out": 1e3 * last.d2h_time / evicted,
+        "ms_per_gb_total": 1e3 * (last.h2d_time + last.d2h_time + last.fault_time) / evicted,
+        "bnb_estimate_ms_per_gb": 1e3 * GB / hw.h2d_bandwidth,
+    }
 
 
 @dataclass(frozen=True)
@@ -169,11 +190,16 @@ class StrategyRow:
 
     n_params: int
     unpaged_fits: bool
-    slowdown: dict[str, float | None]   # None: runs out of memory
+    slowdown: dict[str, float | None]  # None: runs out of memory
 
 
-def compare_strategies(layer_counts: Sequence[int] = (8, 12, 16, 20, 24, 28), hardware: Hardware | None = None,
-                       tokens: int = 2048, steps: int = 3, lora_rank: int = 16) -> list[StrategyRow]:
+def compare_strategies(
+    layer_counts: Sequence[int] = (8, 12, 16, 20, 24, 28),
+    hardware: Hardware | None = None,
+    tokens: int = 2048,
+    steps: int = 3,
+    lora_rank: int = 16,
+) -> list[StrategyRow]:
     """Steady-step slowdown of paged 32-bit AdamW, paged 8-bit AdamW, manual CPU offload and LoRA
     (rank `lora_rank`, paged 32-bit state) for the lesson's decoder at several depths."""
     hw = hardware or Hardware.t4()
@@ -183,8 +209,11 @@ def compare_strategies(layer_counts: Sequence[int] = (8, 12, 16, 20, 24, 28), ha
         full = TrainingSetup(tuple(lesson_model(layers)), "paged_adamw_32bit", act * layers)
         lora = TrainingSetup(tuple(lesson_model(layers, lora_rank=lora_rank)), "paged_adamw_32bit", act * layers)
         slow: dict[str, float | None] = {}
-        for label, setup in (("paged 32-bit", full), ("paged 8-bit", full.with_optimizer("paged_adamw_8bit")),
-                             ("LoRA", lora)):
+        for label, setup in (
+            ("paged 32-bit", full),
+            ("paged 8-bit", full.with_optimizer("paged_adamw_8bit")),
+            ("LoRA", lora),
+        ):
             result = simulate(training_trace(setup, [tokens] * steps), hw, record_timeline=False)
             slow[label] = None if result.oom else result.slowdown(result.steps[-1])
         offload = simulate_offload(full, tokens, hw)

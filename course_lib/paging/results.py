@@ -27,8 +27,16 @@ class PhaseStats:
         return self.compute + self.h2d_time + self.d2h_time + self.fault_time
 
     def add(self, other: PhaseStats) -> None:
-        for name in ("compute", "h2d_time", "d2h_time", "fault_time", "h2d_bytes", "d2h_bytes",
-                     "populated_bytes", "faults"):
+        for name in (
+            "compute",
+            "h2d_time",
+            "d2h_time",
+            "fault_time",
+            "h2d_bytes",
+            "d2h_bytes",
+            "populated_bytes",
+            "faults",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -54,12 +62,12 @@ class SimulationResult:
     phases: dict[tuple[int, str], PhaseStats]
     timeline: list[Segment]
     oom: OutOfDeviceMemory | None
-    bytes_in: int               # migrated host to device
-    bytes_populated: int        # first-touched on the device (no transfer)
-    bytes_out: int              # evicted device to host
-    resident_bytes: int         # managed bytes on the device at the end
-    freed_resident_bytes: int   # managed bytes freed while on the device
-    peak_used: int              # most device memory in use (reserved + resident managed)
+    bytes_in: int  # migrated host to device
+    bytes_populated: int  # first-touched on the device (no transfer)
+    bytes_out: int  # evicted device to host
+    resident_bytes: int  # managed bytes on the device at the end
+    freed_resident_bytes: int  # managed bytes freed while on the device
+    peak_used: int  # most device memory in use (reserved + resident managed)
     peak_reserved: int
     steps_completed: int
 
@@ -84,18 +92,22 @@ class SimulationResult:
 
     def conservation_error(self) -> int:
         """bytes in (migrated + populated) - (bytes out + resident + freed while resident): 0."""
-        return (self.bytes_in + self.bytes_populated
-                - self.bytes_out - self.resident_bytes - self.freed_resident_bytes)
+        return self.bytes_in + self.bytes_populated - self.bytes_out - self.resident_bytes - self.freed_resident_bytes
 
     def table(self) -> str:
         """One line per step: time, compute, paging traffic and slowdown, all simulated."""
-        lines = [f"simulated on {self.hardware.name}", f"{'step':>4} {'time ms':>9} {'compute ms':>10} {'in (H2D)':>11} {'out (D2H)':>11} "
-                 f"{'faults':>7} {'slowdown':>8}"]
+        lines = [
+            f"simulated on {self.hardware.name}",
+            f"{'step':>4} {'time ms':>9} {'compute ms':>10} {'in (H2D)':>11} {'out (D2H)':>11} "
+            f"{'faults':>7} {'slowdown':>8}",
+        ]
         for step in self.steps:
             st = self.step_stats(step)
-            lines.append(f"{step:>4} {1e3 * st.total:>9.1f} {1e3 * st.compute:>10.1f} "
-                         f"{format_bytes(st.h2d_bytes):>11} {format_bytes(st.d2h_bytes):>11} "
-                         f"{st.faults:>7} {self.slowdown(step):>7.2f}x")
+            lines.append(
+                f"{step:>4} {1e3 * st.total:>9.1f} {1e3 * st.compute:>10.1f} "
+                f"{format_bytes(st.h2d_bytes):>11} {format_bytes(st.d2h_bytes):>11} "
+                f"{st.faults:>7} {self.slowdown(step):>7.2f}x"
+            )
         if self.oom is not None:
             lines.append(f"OUT OF MEMORY in step {self.oom.step} ({self.oom.phase}): {self.oom}")
         return "\n".join(lines)

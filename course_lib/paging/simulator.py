@@ -39,8 +39,17 @@ import numpy as np
 
 from course_lib import validate
 from course_lib.measure import format_bytes
-from course_lib.paging.policies import (ROOT_CHUNK, VA_BLOCK, Hardware, OutOfDeviceMemory, PagingError, Policy,
-                                        block_bytes, segment_bytes, sweep_faults)
+from course_lib.paging.policies import (
+    ROOT_CHUNK,
+    VA_BLOCK,
+    Hardware,
+    OutOfDeviceMemory,
+    PagingError,
+    Policy,
+    block_bytes,
+    segment_bytes,
+    sweep_faults,
+)
 from course_lib.paging.results import PhaseStats, Segment, SimulationResult
 from course_lib.paging.trace import OPS, Event, chunk_trace
 
@@ -64,8 +73,10 @@ class _Managed:
 class _Simulator:
     def __init__(self, hardware: Hardware, policy: Policy, caching_allocator: bool, record_timeline: bool):
         if hardware.memory < policy.eviction_unit or hardware.memory < policy.granularity:
-            raise PagingError(f"device memory ({format_bytes(hardware.memory)}) is smaller than one page "
-                              f"({format_bytes(max(policy.eviction_unit, policy.granularity))})")
+            raise PagingError(
+                f"device memory ({format_bytes(hardware.memory)}) is smaller than one page "
+                f"({format_bytes(max(policy.eviction_unit, policy.granularity))})"
+            )
         self.hw, self.policy = hardware, policy
         self.caching = caching_allocator
         self.record = record_timeline
@@ -76,7 +87,7 @@ class _Simulator:
         self.resident = 0
         self.clock = 0.0
         self.counter = 0
-        self.heap: list[tuple[int, int, str, int]] = []   # (key, seq, name, stamp)
+        self.heap: list[tuple[int, int, str, int]] = []  # (key, seq, name, stamp)
         self.phases: dict[tuple[int, str], PhaseStats] = {}
         self.timeline: list[Segment] = []
         self.totals = {"in": 0, "populated": 0, "out": 0, "freed": 0}
@@ -94,8 +105,9 @@ class _Simulator:
         if seconds <= 0:
             return
         if self.record:
-            self.timeline.append(Segment(self.clock, self.clock + seconds, lane, event.step, event.phase,
-                                         label, nbytes))
+            self.timeline.append(
+                Segment(self.clock, self.clock + seconds, lane, event.step, event.phase, label, nbytes)
+            )
         self.clock += seconds
 
     def _track_peak(self) -> None:
@@ -106,14 +118,24 @@ class _Simulator:
         return OutOfDeviceMemory(
             f"step {event.step}, {event.phase or 'no phase'}: {name} needs {format_bytes(requested)} "
             f"but only {format_bytes(available)} of {format_bytes(self.hw.memory)} can be freed ({why})",
-            step=event.step, phase=event.phase, name=name, requested=requested, available=available)
+            step=event.step,
+            phase=event.phase,
+            name=name,
+            requested=requested,
+            available=available,
+        )
 
     def _unknown(self, index: int, event: Event, name: str) -> PagingError:
         known = sorted(self.device) + sorted(self.managed)
-        hint = f" (allocated: {', '.join(known[:6])}{', ...' if len(known) > 6 else ''})" if known else \
-            " (nothing is allocated yet)"
-        return PagingError(f"event {index} ({event.op}, step {event.step}, {event.phase or 'no phase'}) "
-                           f"uses {name!r}, which is not allocated{hint}")
+        hint = (
+            f" (allocated: {', '.join(known[:6])}{', ...' if len(known) > 6 else ''})"
+            if known
+            else " (nothing is allocated yet)"
+        )
+        return PagingError(
+            f"event {index} ({event.op}, step {event.step}, {event.phase or 'no phase'}) "
+            f"uses {name!r}, which is not allocated{hint}"
+        )
 
     # ---- eviction ----------------------------------------------------------------------
     def _push_run(self, tensor: _Managed, stamp: int) -> None:
@@ -165,11 +187,17 @@ class _Simulator:
         free_bytes = self.hw.memory - self.reserved - self.resident
         if nbytes <= free_bytes:
             return
-        evictable = self.resident - sum(int(self.managed[n].unit_bytes[self.managed[n].resident].sum())
-                                        for n in protected if n in self.managed)
+        evictable = self.resident - sum(
+            int(self.managed[n].unit_bytes[self.managed[n].resident].sum()) for n in protected if n in self.managed
+        )
         if nbytes > free_bytes + evictable:
-            raise self._oom(event, name, nbytes, free_bytes + evictable,
-                            "paged state cannot make room for itself: it would thrash inside one kernel")
+            raise self._oom(
+                event,
+                name,
+                nbytes,
+                free_bytes + evictable,
+                "paged state cannot make room for itself: it would thrash inside one kernel",
+            )
         self._evict(nbytes - free_bytes, protected, event)
 
     # ---- events ------------------------------------------------------------------------
@@ -183,8 +211,7 @@ class _Simulator:
             self.reserved = self.live
             grow = segment_bytes(n)
         if self.reserved + grow > self.hw.memory:
-            raise self._oom(event, name, n, self.hw.memory - self.reserved,
-                            "ordinary allocations are never paged")
+            raise self._oom(event, name, n, self.hw.memory - self.reserved, "ordinary allocations are never paged")
         overflow = self.reserved + grow + self.resident - self.hw.memory
         if overflow > 0:
             self._evict(overflow, set(), event)
@@ -201,8 +228,10 @@ class _Simulator:
                 tensors.append(self.managed[name])
             elif name in self.device:
                 if not faulting:
-                    raise PagingError(f"event {index} (prefetch, step {event.step}): {name!r} is an ordinary "
-                                      "allocation; cudaMemPrefetchAsync needs managed memory")
+                    raise PagingError(
+                        f"event {index} (prefetch, step {event.step}): {name!r} is an ordinary "
+                        "allocation; cudaMemPrefetchAsync needs managed memory"
+                    )
             else:
                 raise self._unknown(index, event, name)
         protected = {t.name for t in tensors}
@@ -236,8 +265,9 @@ class _Simulator:
                         fault_seconds = faults * self.hw.fault_latency
                         stats.fault_time += fault_seconds
                         self._segment(event, "faults", fault_seconds, f"{faults} faults {tensor.name}")
-                    self._segment(event, "H2D", seconds,
-                                  f"{'fault-in' if faulting else 'prefetch'} {tensor.name}", mig_bytes)
+                    self._segment(
+                        event, "H2D", seconds, f"{'fault-in' if faulting else 'prefetch'} {tensor.name}", mig_bytes
+                    )
                 if policy.eviction == "allocation":
                     tensor.stamp[missing] = stamp
                     self._push_run(tensor, stamp)
@@ -259,8 +289,7 @@ class _Simulator:
                 continue
             leaves = -(-int(block_bytes_) // policy.granularity)
             missing = -(-int(moved_bytes) // policy.granularity)
-            faults += sweep_faults(leaves, missing, policy.density_threshold) if policy.density_prefetch \
-                else missing
+            faults += sweep_faults(leaves, missing, policy.density_threshold) if policy.density_prefetch else missing
         return faults
 
     def run(self, events: Sequence[Event]) -> OutOfDeviceMemory | None:
@@ -284,8 +313,7 @@ class _Simulator:
             if name in self.device or name in self.managed:
                 raise PagingError(f"event {index}: {name!r} is allocated twice (free it first)")
             if not isinstance(event.nbytes, (int, np.integer)) or event.nbytes <= 0:
-                raise PagingError(f"event {index}: alloc of {name!r} needs a positive byte count, "
-                                  f"got {event.nbytes!r}")
+                raise PagingError(f"event {index}: alloc of {name!r} needs a positive byte count, got {event.nbytes!r}")
             if event.managed:
                 self.managed[name] = _Managed(name, int(event.nbytes), self.policy.eviction_unit)
             else:
@@ -318,8 +346,14 @@ class _Simulator:
             self.reserved = self.live
 
 
-def simulate(trace: Sequence[Event], hardware: Hardware | None = None, policy: Policy | None = None, *,
-             caching_allocator: bool = True, record_timeline: bool = True) -> SimulationResult:
+def simulate(
+    trace: Sequence[Event],
+    hardware: Hardware | None = None,
+    policy: Policy | None = None,
+    *,
+    caching_allocator: bool = True,
+    record_timeline: bool = True,
+) -> SimulationResult:
     """Run a trace on a simulated GPU with unified memory (lesson 4, "the simulator").
 
     Raises `PagingError` for bad input (device smaller than one page, a trace that uses memory it
@@ -339,14 +373,25 @@ def simulate(trace: Sequence[Event], hardware: Hardware | None = None, policy: P
     for key in [k for k in sim.phases if oom is not None and k[0] >= oom.step]:
         del sim.phases[key]
     return SimulationResult(
-        hardware=hardware, policy=policy, phases=sim.phases, timeline=sim.timeline, oom=oom,
-        bytes_in=sim.totals["in"], bytes_populated=sim.totals["populated"], bytes_out=sim.totals["out"],
-        resident_bytes=sim.resident, freed_resident_bytes=sim.totals["freed"],
-        peak_used=sim.peak_used, peak_reserved=sim.peak_reserved, steps_completed=len(completed))
+        hardware=hardware,
+        policy=policy,
+        phases=sim.phases,
+        timeline=sim.timeline,
+        oom=oom,
+        bytes_in=sim.totals["in"],
+        bytes_populated=sim.totals["populated"],
+        bytes_out=sim.totals["out"],
+        resident_bytes=sim.resident,
+        freed_resident_bytes=sim.totals["freed"],
+        peak_used=sim.peak_used,
+        peak_reserved=sim.peak_reserved,
+        steps_completed=len(completed),
+    )
 
 
-def chunk_migrations(accesses: Sequence[int], capacity_chunks: int, policy: str = "allocation",
-                     chunk_bytes: int = ROOT_CHUNK) -> tuple[int, int]:
+def chunk_migrations(
+    accesses: Sequence[int], capacity_chunks: int, policy: str = "allocation", chunk_bytes: int = ROOT_CHUNK
+) -> tuple[int, int]:
     """(bytes migrated in, bytes evicted) of a chunk access sequence on a device holding
     `capacity_chunks` chunks, by the simulator (lesson 4: what the exercise's answer must match). The first
     access of a chunk populates it on the device (no transfer): only re-fetches count as migrated."""

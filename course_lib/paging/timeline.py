@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.errors import UserTypeError
 from course_lib.device import synchronize
+from course_lib.errors import UserTypeError
 
 
 @dataclass
@@ -44,8 +44,11 @@ class PrefetchTimeline:
             fn(p, *args) if kind == "prefetch" else fn(*args)
             synchronize()
             state = optimizer.state.get(p, {})
-            nbytes = sum(t.numel() * t.element_size() for t in state.values()
-                         if isinstance(t, torch.Tensor) and getattr(t, "is_paged", False))
+            nbytes = sum(
+                t.numel() * t.element_size()
+                for t in state.values()
+                if isinstance(t, torch.Tensor) and getattr(t, "is_paged", False)
+            )
             index = self._index.setdefault(id(p), len(self._index))
             self.entries.append(TimelineEntry(kind, index, start - self.t0, time.perf_counter() - self.t0, nbytes))
 

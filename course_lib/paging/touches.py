@@ -35,7 +35,7 @@ def measure_touches(model, optimizer, loss_fn) -> list[Touch]:
 
     raw: list[tuple[int, str, int, int]] = []
     ids = itertools.count()
-    live: dict[tuple[str, int], int] = {}   # address -> id of the storage living there now
+    live: dict[tuple[str, int], int] = {}  # address -> id of the storage living there now
 
     def uid(t) -> int:
         storage = t.untyped_storage()
@@ -88,6 +88,7 @@ def measure_touches(model, optimizer, loss_fn) -> list[Touch]:
         if ident in grads:
             return "gradients"
         return "activations and temporaries"
+
     return [Touch(index, phase, category(ident), nbytes) for index, phase, ident, nbytes in raw]
 
 

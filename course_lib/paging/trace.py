@@ -15,8 +15,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from course_lib import validate
-from course_lib.paging.policies import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, OPTIMIZERS,
-                                        ROOT_CHUNK, PagingError)
+from course_lib.paging.policies import (
+    BNB_BLOCKSIZE,
+    BNB_MIN_8BIT_SIZE,
+    BNB_PAGED_MIN_NUMEL,
+    OPTIMIZERS,
+    ROOT_CHUNK,
+    PagingError,
+)
 
 MAX_LAYERS = 10_000  # more decoder layers than any model has (the deepest have about a hundred)
 OPS = ("alloc", "free", "touch", "prefetch", "compute", "empty_cache")
@@ -63,11 +69,11 @@ def prefetch(*names: str, step: int = 0, phase: str = "") -> Event:
     return Event("prefetch", tuple(names), step=step, phase=phase)
 
 
-def compute(*, flops: float = 0.0, device_bytes: float = 0.0, step: int = 0, phase: str = "",
-            label: str = "") -> Event:
+def compute(*, flops: float = 0.0, device_bytes: float = 0.0, step: int = 0, phase: str = "", label: str = "") -> Event:
     """GPU work: its time is the larger of flops / device_flops and bytes / device_bandwidth (lesson 4)."""
-    return Event("compute", (), flops=float(flops), device_bytes=float(device_bytes), step=step,
-                 phase=phase, label=label)
+    return Event(
+        "compute", (), flops=float(flops), device_bytes=float(device_bytes), step=step, phase=phase, label=label
+    )
 
 
 def empty_cache(*, step: int = 0, phase: str = "") -> Event:
@@ -87,32 +93,52 @@ class ParamSpec:
     dtype_bytes: int = 4
 
 
-def transformer_params(n_layers: int, hidden: int, vocab: int, *, intermediate: int | None = None,
-                       lora_rank: int | None = None, frozen_dtype_bytes: int = 2) -> list[ParamSpec]:
+def transformer_params(
+    n_layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    intermediate: int | None = None,
+    lora_rank: int | None = None,
+    frozen_dtype_bytes: int = 2,
+) -> list[ParamSpec]:
     """The parameter tensors of a GPT-2-shaped decoder (tied embeddings), computed from its shape
     (lesson 4). With `lora_rank`, the base weights are frozen (`frozen_dtype_bytes` each) and each
     layer gets trainable fp32 LoRA factors on its attention projection (peft's default target)."""
     n_layers = validate.positive_int("n_layers", n_layers, maximum=MAX_LAYERS, error=PagingError)
-    hidden, vocab = (validate.positive_int(name, value, error=PagingError) for name, value in
-                     (("hidden", hidden), ("vocab", vocab)))
+    hidden, vocab = (
+        validate.positive_int(name, value, error=PagingError) for name, value in (("hidden", hidden), ("vocab", vocab))
+    )
     inter = intermediate or 4 * hidden
     frozen = lora_rank is not None
     base = {"trainable": not frozen, "dtype_bytes": frozen_dtype_bytes if frozen else 4}
     specs = [ParamSpec("wte", vocab * hidden, 0, **base), ParamSpec("wpe", 1024 * hidden, 0, **base)]
     for layer in range(n_layers):
         prefix = f"h.{layer}"
-        shapes = [("ln_1.weight", hidden), ("ln_1.bias", hidden),
-                  ("attn.c_attn.weight", hidden * 3 * hidden), ("attn.c_attn.bias", 3 * hidden),
-                  ("attn.c_proj.weight", hidden * hidden), ("attn.c_proj.bias", hidden),
-                  ("ln_2.weight", hidden), ("ln_2.bias", hidden),
-                  ("mlp.c_fc.weight", hidden * inter), ("mlp.c_fc.bias", inter),
-                  ("mlp.c_proj.weight", inter * hidden), ("mlp.c_proj.bias", hidden)]
+        shapes = [
+            ("ln_1.weight", hidden),
+            ("ln_1.bias", hidden),
+            ("attn.c_attn.weight", hidden * 3 * hidden),
+            ("attn.c_attn.bias", 3 * hidden),
+            ("attn.c_proj.weight", hidden * hidden),
+            ("attn.c_proj.bias", hidden),
+            ("ln_2.weight", hidden),
+            ("ln_2.bias", hidden),
+            ("mlp.c_fc.weight", hidden * inter),
+            ("mlp.c_fc.bias", inter),
+            ("mlp.c_proj.weight", inter * hidden),
+            ("mlp.c_proj.bias", hidden),
+        ]
         specs += [ParamSpec(f"{prefix}.{n}", k, layer, **base) for n, k in shapes]
         if frozen:
-            specs += [ParamSpec(f"{prefix}.attn.c_attn.lora_A", lora_rank * hidden, layer),
-                      ParamSpec(f"{prefix}.attn.c_attn.lora_B", 3 * hidden * lora_rank, layer)]
-    specs += [ParamSpec("ln_f.weight", hidden, n_layers - 1, **base),
-              ParamSpec("ln_f.bias", hidden, n_layers - 1, **base)]
+            specs += [
+                ParamSpec(f"{prefix}.attn.c_attn.lora_A", lora_rank * hidden, layer),
+                ParamSpec(f"{prefix}.attn.c_attn.lora_B", 3 * hidden * lora_rank, layer),
+            ]
+    specs += [
+        ParamSpec("ln_f.weight", hidden, n_layers - 1, **base),
+        ParamSpec("ln_f.bias", hidden, n_layers - 1, **base),
+    ]
     return specs
 
 
@@ -156,15 +182,20 @@ def optimizer_state(spec: ParamSpec, optimizer: str) -> list[StateTensor]:
         raise PagingError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     n = spec.numel
     if optimizer == "adamw":  # torch: exp_avg, exp_avg_sq in the parameter's dtype
-        return [StateTensor(f"exp_avg:{spec.name}", n * spec.dtype_bytes, False),
-                StateTensor(f"exp_avg_sq:{spec.name}", n * spec.dtype_bytes, False)]
+        return [
+            StateTensor(f"exp_avg:{spec.name}", n * spec.dtype_bytes, False),
+            StateTensor(f"exp_avg_sq:{spec.name}", n * spec.dtype_bytes, False),
+        ]
     paged = optimizer.startswith("paged") and n >= BNB_PAGED_MIN_NUMEL
     eight_bit = optimizer.endswith("8bit") and n >= BNB_MIN_8BIT_SIZE
     if eight_bit:
         blocks = math.ceil(n / BNB_BLOCKSIZE) * 4
-        return [StateTensor(f"state1:{spec.name}", n, paged), StateTensor(f"state2:{spec.name}", n, paged),
-                StateTensor(f"absmax1:{spec.name}", blocks, False),
-                StateTensor(f"absmax2:{spec.name}", blocks, False)]
+        return [
+            StateTensor(f"state1:{spec.name}", n, paged),
+            StateTensor(f"state2:{spec.name}", n, paged),
+            StateTensor(f"absmax1:{spec.name}", blocks, False),
+            StateTensor(f"absmax2:{spec.name}", blocks, False),
+        ]
     return [StateTensor(f"state1:{spec.name}", 4 * n, paged), StateTensor(f"state2:{spec.name}", 4 * n, paged)]
 
 
@@ -209,12 +240,14 @@ class TrainingSetup:
     def bytes_by_category(self, tokens: int = 0) -> dict[str, int]:
         """Weights, gradients, optimizer state (paged and ordinary) and activations, in bytes."""
         state = [s for p in self.params if p.trainable for s in optimizer_state(p, self.optimizer)]
-        return {"weights": sum(p.numel * p.dtype_bytes for p in self.params),
-                "gradients": sum(p.numel * self.grad_bytes for p in self.params if p.trainable),
-                "optimizer state (paged)": sum(s.nbytes for s in state if s.managed),
-                "optimizer state (ordinary)": sum(s.nbytes for s in state if not s.managed),
-                "optimizer temporaries": self.optimizer_temporaries(),
-                "activations": self.activation_bytes_per_token * tokens}
+        return {
+            "weights": sum(p.numel * p.dtype_bytes for p in self.params),
+            "gradients": sum(p.numel * self.grad_bytes for p in self.params if p.trainable),
+            "optimizer state (paged)": sum(s.nbytes for s in state if s.managed),
+            "optimizer state (ordinary)": sum(s.nbytes for s in state if not s.managed),
+            "optimizer temporaries": self.optimizer_temporaries(),
+            "activations": self.activation_bytes_per_token * tokens,
+        }
 
     def optimizer_temporaries(self) -> int:
         """Bytes the optimizer step allocates and frees again: torch's foreach AdamW (the default on
@@ -226,8 +259,13 @@ class TrainingSetup:
         return sum(p.numel * p.dtype_bytes for p in self.params if p.trainable)
 
 
-def training_trace(setup: TrainingSetup, tokens_per_step: Sequence[int], *,
-                   empty_cache_after: Iterable[int] = (), use_prefetch: bool = True) -> list[Event]:
+def training_trace(
+    setup: TrainingSetup,
+    tokens_per_step: Sequence[int],
+    *,
+    empty_cache_after: Iterable[int] = (),
+    use_prefetch: bool = True,
+) -> list[Event]:
     """The memory events of `len(tokens_per_step)` training steps (lesson 4, "a trace").
 
     Step 0 allocates the weights. Each step: forward allocates each layer's activations; backward
@@ -303,8 +341,9 @@ def training_trace(setup: TrainingSetup, tokens_per_step: Sequence[int], *,
     return events
 
 
-def chunk_trace(accesses: Sequence[int], n_chunks: int | None = None, chunk_bytes: int = ROOT_CHUNK,
-                *, use_prefetch: bool = True) -> list[Event]:
+def chunk_trace(
+    accesses: Sequence[int], n_chunks: int | None = None, chunk_bytes: int = ROOT_CHUNK, *, use_prefetch: bool = True
+) -> list[Event]:
     """A trace of managed chunks `0..n_chunks-1` (each `chunk_bytes`), accessed in the order given
     (lesson 4, exercise "allocation order vs LRU"). Each access is a prefetch (or a touch)."""
     accesses = [int(a) for a in accesses]

@@ -28,22 +28,72 @@ GPU), `prediction` (one setup's plan and its notes), `fit` (what makes it fit), 
 `plan_from_cli`, the entry points).
 """
 
-from course_lib.planner.phases.activations import korthikanti_bytes
-from course_lib.planner.search.fit import what_makes_it_fit
-from course_lib.planner.config.gpus import CUDA_CONTEXT_BYTES, GPU, GPUS, default_precision, get_gpu
-from course_lib.planner.entry import plan, plan_from_cli
-from course_lib.planner.predict import Plan, Trick
 from course_lib.planner.allocator.reserved import Reserved, cublas_workspaces
+from course_lib.planner.config.gpus import CUDA_CONTEXT_BYTES, GPU, GPUS, default_precision, get_gpu
+from course_lib.planner.config.setup import (
+    ATTENTIONS,
+    CATEGORIES,
+    DEFAULT_LORA_RANK,
+    LOOPS,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTS,
+    SHARDS,
+    PlanError,
+    Setup,
+)
+from course_lib.planner.entry import plan, plan_from_cli
 from course_lib.planner.parallel.sharded import offload_prediction
-from course_lib.planner.config.setup import (ATTENTIONS, CATEGORIES, DEFAULT_LORA_RANK, LOOPS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDS,
-                                     PlanError, Setup)
-from course_lib.planner.states.model_states import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_QMAPS_BYTES, NF4_BLOCK, NF4_DQ_BLOCK,
-                                      ModelStates, model_states, nf4_bytes, optimizer_state_bytes)
+from course_lib.planner.phases.activations import korthikanti_bytes
+from course_lib.planner.predict import Plan, Trick
+from course_lib.planner.search.fit import what_makes_it_fit
+from course_lib.planner.states.model_states import (
+    BNB_BLOCK,
+    BNB_MIN_8BIT_SIZE,
+    BNB_QMAPS_BYTES,
+    NF4_BLOCK,
+    NF4_DQ_BLOCK,
+    ModelStates,
+    model_states,
+    nf4_bytes,
+    optimizer_state_bytes,
+)
 from course_lib.planner.trace.step import Trace, trace_step
 
-__all__ = ["ATTENTIONS", "BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "BNB_QMAPS_BYTES", "CATEGORIES", "CUDA_CONTEXT_BYTES",
-           "DEFAULT_LORA_RANK", "GPU", "GPUS", "LOOPS", "ModelStates", "NF4_BLOCK", "NF4_DQ_BLOCK", "OPTIMIZERS",
-           "PRECISIONS", "Plan", "PlanError", "QUANTS", "Reserved", "SHARDS", "Setup", "Trace", "Trick", "cublas_workspaces", "default_precision",
-           "get_gpu",
-           "korthikanti_bytes", "model_states", "nf4_bytes", "offload_prediction", "optimizer_state_bytes", "plan", "plan_from_cli",
-           "trace_step", "what_makes_it_fit"]
+__all__ = [
+    "ATTENTIONS",
+    "BNB_BLOCK",
+    "BNB_MIN_8BIT_SIZE",
+    "BNB_QMAPS_BYTES",
+    "CATEGORIES",
+    "CUDA_CONTEXT_BYTES",
+    "DEFAULT_LORA_RANK",
+    "GPU",
+    "GPUS",
+    "LOOPS",
+    "ModelStates",
+    "NF4_BLOCK",
+    "NF4_DQ_BLOCK",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "Plan",
+    "PlanError",
+    "QUANTS",
+    "Reserved",
+    "SHARDS",
+    "Setup",
+    "Trace",
+    "Trick",
+    "cublas_workspaces",
+    "default_precision",
+    "get_gpu",
+    "korthikanti_bytes",
+    "model_states",
+    "nf4_bytes",
+    "offload_prediction",
+    "optimizer_state_bytes",
+    "plan",
+    "plan_from_cli",
+    "trace_step",
+    "what_makes_it_fit",
+]

@@ -7,16 +7,22 @@ from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 
 from course_lib import validate
+from course_lib.models import ModelNotFound, ModelSpec, model_spec
+from course_lib.planner.config.gpus import GPU, default_precision, get_gpu
+from course_lib.planner.config.setup import PlanError, Setup
+from course_lib.planner.predict import Plan, predict
 from course_lib.planner.search.elsewhere import where_it_fits
 from course_lib.planner.search.fit import what_makes_it_fit
-from course_lib.planner.config.gpus import GPU, default_precision, get_gpu
-from course_lib.planner.predict import Plan, predict
-from course_lib.planner.config.setup import PlanError, Setup
-from course_lib.models import model_spec, ModelNotFound, ModelSpec
 
 
-def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gpu: str | GPU | None = None,
-         suggest: bool = True, **options) -> Plan:
+def plan(
+    model: str | ModelSpec | int | float,
+    setup: Setup | None = None,
+    *,
+    gpu: str | GPU | None = None,
+    suggest: bool = True,
+    **options,
+) -> Plan:
     """Predict the memory of one training step (lesson 1, "the planner").
 
     `model`: a bundled name ('llama-3.1-8b'), a config.json path, a ModelSpec, or a parameter count
@@ -26,10 +32,12 @@ def plan(model: str | ModelSpec | int | float, setup: Setup | None = None, *, gp
     `course-lib plan` picks it (`default_precision`: amp-fp16 on a T4, the Trainer's fp16=True).
     """
     if setup is None and "precision" not in options:  # the GPU's precision, as `course-lib plan` picks it
-        options["precision"] = default_precision(get_gpu(gpu) if gpu is not None else None,
-                                                 options.get("quant", "none"), options.get("gpus"))
-    setup = validate.instance("setup", setup or Setup(), Setup, "a memory.Setup (or None, with keyword options)",
-                              error=PlanError)
+        options["precision"] = default_precision(
+            get_gpu(gpu) if gpu is not None else None, options.get("quant", "none"), options.get("gpus")
+        )
+    setup = validate.instance(
+        "setup", setup or Setup(), Setup, "a memory.Setup (or None, with keyword options)", error=PlanError
+    )
     if options:
         unknown = set(options) - set(Setup.__dataclass_fields__)
         if unknown:
@@ -58,13 +66,17 @@ def _parse_count(text: str) -> int:
     return int(value)
 
 
-def plan_from_cli(model: str | None, *, params: str | None = None, precision: str | None = None,
-                  gpu: str | None = None, **options) -> Plan:
+def plan_from_cli(
+    model: str | None, *, params: str | None = None, precision: str | None = None, gpu: str | None = None, **options
+) -> Plan:
     """`course-lib plan`: a model name/config or --params, and the options (lesson 1)."""
 
     if (model is None) == (params is None):
-        raise PlanError("give a model (bundled name or config.json) or --params N, not both"
-                        if model is not None else "give a model (e.g. llama-3.1-8b, or a config.json) or --params N")
+        raise PlanError(
+            "give a model (bundled name or config.json) or --params N, not both"
+            if model is not None
+            else "give a model (e.g. llama-3.1-8b, or a config.json) or --params N"
+        )
     card = get_gpu(gpu) if gpu is not None else None
     options = {key: value for key, value in options.items() if value is not None}
     precision = precision or default_precision(card, options.get("quant", "none"), options.get("gpus"))

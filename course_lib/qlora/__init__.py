@@ -17,16 +17,57 @@ above the planner (`course_lib.planner`), not beside the other lesson topics (CO
 """
 
 from course_lib.qlora.ablation import ablation, format_ablation
-from course_lib.qlora.building import (build_model, checkpoint_dir, compute_dtype, counting_dataset, llama_1b_config,
-                                       quiet, tiny_llama_config)
-from course_lib.qlora.gpu_rows import (emulate_t4, expandable_row, expandable_segments_effect, isolated_rows,
-                                       matmul_rates, measure_row, train_row)
+from course_lib.qlora.building import (
+    build_model,
+    checkpoint_dir,
+    compute_dtype,
+    counting_dataset,
+    llama_1b_config,
+    quiet,
+    tiny_llama_config,
+)
+from course_lib.qlora.gpu_rows import (
+    emulate_t4,
+    expandable_row,
+    expandable_segments_effect,
+    isolated_rows,
+    matmul_rates,
+    measure_row,
+    train_row,
+)
 from course_lib.qlora.measuring import Row, make_optimizer, measure_recipe, planner_setup, predict, recipe_step
 from course_lib.qlora.recipe import OPTIMS, PLANNER_OPTIM, TRICKS, Recipe, RecipeError
 from course_lib.qlora.training import TrainResult, train, training_arguments
 
-__all__ = ["OPTIMS", "PLANNER_OPTIM", "Recipe", "RecipeError", "Row", "TRICKS", "TrainResult", "ablation",
-           "build_model", "checkpoint_dir", "compute_dtype", "counting_dataset", "emulate_t4", "expandable_row",
-           "expandable_segments_effect", "format_ablation", "isolated_rows", "llama_1b_config", "make_optimizer",
-           "matmul_rates", "measure_recipe", "measure_row", "planner_setup", "predict", "quiet", "recipe_step",
-           "tiny_llama_config", "train", "train_row", "training_arguments"]
+__all__ = [
+    "OPTIMS",
+    "PLANNER_OPTIM",
+    "Recipe",
+    "RecipeError",
+    "Row",
+    "TRICKS",
+    "TrainResult",
+    "ablation",
+    "build_model",
+    "checkpoint_dir",
+    "compute_dtype",
+    "counting_dataset",
+    "emulate_t4",
+    "expandable_row",
+    "expandable_segments_effect",
+    "format_ablation",
+    "isolated_rows",
+    "llama_1b_config",
+    "make_optimizer",
+    "matmul_rates",
+    "measure_recipe",
+    "measure_row",
+    "planner_setup",
+    "predict",
+    "quiet",
+    "recipe_step",
+    "tiny_llama_config",
+    "train",
+    "train_row",
+    "training_arguments",
+]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.errors import UserError
 from course_lib.device import DtypePolicy
+from course_lib.errors import UserError
 from course_lib.measure import format_bytes
 from course_lib.planner import GPU
 from course_lib.qlora.gpu_rows import isolated_rows
@@ -14,9 +14,18 @@ from course_lib.qlora.measuring import Row, measure_recipe
 from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
-def ablation(config, recipe: Recipe | None = None, device: str | torch.device = "cpu", *,
-             timed_steps: int = 1, policy: DtypePolicy | None = None, gpu: GPU | None = None,
-             isolate: bool | None = None, as_t4: bool = False, progress=None) -> list[Row]:
+def ablation(
+    config,
+    recipe: Recipe | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    timed_steps: int = 1,
+    policy: DtypePolicy | None = None,
+    gpu: GPU | None = None,
+    isolate: bool | None = None,
+    as_t4: bool = False,
+    progress=None,
+) -> list[Row]:
     """Each trick switched off in turn, then all off, measured and predicted (lesson 5, "what each
     trick buys"). `policy` and `gpu` as in `measure_recipe`.
 
@@ -27,10 +36,14 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
     recipe = valid_recipe(recipe or Recipe())
     device = torch.device(device)
     cases = [("all tricks on", recipe)]
-    names = {"nf4": "no 4-bit base (16/32-bit base)", "checkpointing": "no checkpointing",
-             "accumulation": f"no accumulation (batch {recipe.effective_batch})",
-             "optimizer": "32-bit AdamW, not paged 8-bit", "prepare_kbit": "no prepare_model_for_kbit_training",
-             "lora": "no LoRA (full fine-tune, no NF4)"}
+    names = {
+        "nf4": "no 4-bit base (16/32-bit base)",
+        "checkpointing": "no checkpointing",
+        "accumulation": f"no accumulation (batch {recipe.effective_batch})",
+        "optimizer": "32-bit AdamW, not paged 8-bit",
+        "prepare_kbit": "no prepare_model_for_kbit_training",
+        "lora": "no LoRA (full fine-tune, no NF4)",
+    }
     for trick in ("nf4", "prepare_kbit", "checkpointing", "accumulation", "optimizer", "lora"):
         off = recipe.without(trick)
         if off != recipe:
@@ -40,20 +53,26 @@ def ablation(config, recipe: Recipe | None = None, device: str | torch.device = 
         if policy is not None or gpu is not None:
             raise UserError("isolated rows pick their policy in the child: pass as_t4=True, not policy/gpu")
         return isolated_rows(config, cases, device, timed_steps=timed_steps, as_t4=as_t4, progress=progress)
-    return [measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
-            for label, r in cases]
+    return [
+        measure_recipe(config, r, device, timed_steps=timed_steps, label=label, policy=policy, gpu=gpu)
+        for label, r in cases
+    ]
 
 
 def format_ablation(rows: list[Row]) -> str:
     """The ablation as a text table: measured and predicted peak, the error, the step time."""
     head = rows[0].measured_peak or 1 if rows else 1
     width = max(len(r.label) for r in rows)
-    lines = [f"{'configuration':<{width}}  {'measured':>10}  {'predicted':>10}  {'error':>6}  "
-             f"{'x all-on':>8}  {'step ms':>8}"]
+    lines = [
+        f"{'configuration':<{width}}  {'measured':>10}  {'predicted':>10}  {'error':>6}  "
+        f"{'x all-on':>8}  {'step ms':>8}"
+    ]
     for r in rows:
         if r.measured_peak is None:
             lines.append(f"{r.label:<{width}}  {'-':>10}  {format_bytes(r.predicted_peak):>10}  ({r.status})")
             continue
-        lines.append(f"{r.label:<{width}}  {format_bytes(r.measured_peak):>10}  {format_bytes(r.predicted_peak):>10}"
-                     f"  {r.error:>+6.1%}  {r.measured_peak / head:>8.2f}  {'-' if r.step_ms is None else f'{r.step_ms:.0f}':>8}")
+        lines.append(
+            f"{r.label:<{width}}  {format_bytes(r.measured_peak):>10}  {format_bytes(r.predicted_peak):>10}"
+            f"  {r.error:>+6.1%}  {r.measured_peak / head:>8.2f}  {'-' if r.step_ms is None else f'{r.step_ms:.0f}':>8}"
+        )
     return "\n".join(lines)

@@ -17,21 +17,30 @@ from pathlib import Path
 
 import torch
 
-from course_lib.errors import UserError
 from course_lib.checkpointing import hf_checkpointing
 from course_lib.device import DtypePolicy, dtype_policy
+from course_lib.errors import UserError
 from course_lib.model_config import load_config
 from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
-def tiny_llama_config(hidden: int = 256, layers: int = 2, heads: int = 8, kv_heads: int = 4,
-                      intermediate: int = 688, vocab: int = 1024):
+def tiny_llama_config(
+    hidden: int = 256, layers: int = 2, heads: int = 8, kv_heads: int = 4, intermediate: int = 688, vocab: int = 1024
+):
     """A Llama-architecture config small enough to train in seconds on a CPU (lesson 5)."""
     from transformers import LlamaConfig  # heavy: transformers
 
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=2048, use_cache=False, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
 
 
 def llama_1b_config():
@@ -113,8 +122,13 @@ def compute_dtype(policy: DtypePolicy) -> torch.dtype:
     return policy.autocast_dtype or torch.float32
 
 
-def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", policy: DtypePolicy | None = None,
-                weights: str | Path | None = None):
+def build_model(
+    config,
+    recipe: Recipe,
+    device: str | torch.device = "cpu",
+    policy: DtypePolicy | None = None,
+    weights: str | Path | None = None,
+):
     """The model a recipe trains (lesson 5): NF4 base via BitsAndBytesConfig (double quantization, the
     policy's compute dtype), prepare_model_for_kbit_training, non-reentrant checkpointing, LoRA on all
     linear layers. Trainable parameters are fp32 (peft's default; the T4 recipe needs it).
@@ -131,8 +145,11 @@ def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", poli
     kwargs = dict(dtype=base_dtype, device_map={"": device.index or 0} if device.type == "cuda" else "cpu")
     if recipe.nf4:
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype(policy))
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype(policy),
+        )
     with quiet():
         model = AutoModelForCausalLM.from_pretrained(weights or checkpoint_dir(config), **kwargs)
         model.config.use_cache = False
@@ -145,9 +162,16 @@ def build_model(config, recipe: Recipe, device: str | torch.device = "cpu", poli
         if recipe.lora_rank:
             from peft import LoraConfig, get_peft_model  # heavy: peft, only with adapters
 
-            model = get_peft_model(model, LoraConfig(
-                r=recipe.lora_rank, lora_alpha=2 * recipe.lora_rank, target_modules="all-linear",
-                lora_dropout=0.0, task_type="CAUSAL_LM"))
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=recipe.lora_rank,
+                    lora_alpha=2 * recipe.lora_rank,
+                    target_modules="all-linear",
+                    lora_dropout=0.0,
+                    task_type="CAUSAL_LM",
+                ),
+            )
     return model.train()
 
 

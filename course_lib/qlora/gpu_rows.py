@@ -16,13 +16,19 @@ from dataclasses import asdict
 
 import torch
 
-from course_lib.errors import UserError
 from course_lib import isolate
-from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
-from course_lib.planner import CUDA_CONTEXT_BYTES, GPU, get_gpu
 from course_lib.checkpointing import assert_gradients_flow
-from course_lib.qlora.building import build_model, checkpoint_dir, counting_dataset, llama_1b_config, quiet, \
-    tiny_llama_config
+from course_lib.device import DtypePolicy, dtype_policy, policy_for_capability
+from course_lib.errors import UserError
+from course_lib.planner import CUDA_CONTEXT_BYTES, GPU, get_gpu
+from course_lib.qlora.building import (
+    build_model,
+    checkpoint_dir,
+    counting_dataset,
+    llama_1b_config,
+    quiet,
+    tiny_llama_config,
+)
 from course_lib.qlora.measuring import Row, measure_recipe, predict, recipe_step
 from course_lib.qlora.recipe import Recipe
 from course_lib.qlora.training import train
@@ -52,44 +58,90 @@ def _load(config_dir: str, device: str, as_t4: bool):
     return config, policy, gpu
 
 
-def measure_row(config_dir: str, recipe: dict, device: str = "cuda", timed_steps: int = 1, label: str = "",
-                as_t4: bool = False) -> dict:
+def measure_row(
+    config_dir: str, recipe: dict, device: str = "cuda", timed_steps: int = 1, label: str = "", as_t4: bool = False
+) -> dict:
     """One ablation row, in a child process (`isolated_rows`): `measure_recipe` on the saved checkpoint."""
     config, policy, gpu = _load(config_dir, device, as_t4)
-    row = measure_recipe(config, Recipe(**recipe), device, timed_steps=timed_steps, label=label, policy=policy,
-                         gpu=gpu, weights=config_dir)
+    row = measure_recipe(
+        config,
+        Recipe(**recipe),
+        device,
+        timed_steps=timed_steps,
+        label=label,
+        policy=policy,
+        gpu=gpu,
+        weights=config_dir,
+    )
     return {"status": "ok", "row": asdict(row)}
 
 
-def isolated_rows(config, cases: list[tuple[str, Recipe]], device: str | torch.device = "cuda", *,
-                  timed_steps: int = 1, as_t4: bool = False, progress=None) -> list[Row]:
+def isolated_rows(
+    config,
+    cases: list[tuple[str, Recipe]],
+    device: str | torch.device = "cuda",
+    *,
+    timed_steps: int = 1,
+    as_t4: bool = False,
+    progress=None,
+) -> list[Row]:
     """`measure_recipe` of each (label, recipe) in a fresh process, from one saved checkpoint (lesson 5).
     A child that dies gives a row whose status says so, with the planner's prediction beside it."""
     folder = str(checkpoint_dir(config))
     rows = []
     for label, recipe in cases:
-        out = isolate.run("course_lib.qlora.gpu_rows:measure_row", config_dir=folder, recipe=asdict(recipe),
-                          device=str(device), timed_steps=timed_steps, label=label, as_t4=as_t4)
+        out = isolate.run(
+            "course_lib.qlora.gpu_rows:measure_row",
+            config_dir=folder,
+            recipe=asdict(recipe),
+            device=str(device),
+            timed_steps=timed_steps,
+            label=label,
+            as_t4=as_t4,
+        )
         if out.get("status") == "ok":
             fields = out["row"]
             rows.append(Row(**{**fields, "recipe": Recipe(**fields["recipe"])}))
         else:
             policy = policy_for_capability((7, 5)) if as_t4 else dtype_policy(torch.device(device))
             predicted = predict(config, recipe, policy)
-            rows.append(Row(label, recipe, None, predicted.total - predicted.bytes["overhead"], None,
-                            predicted.trainable_params, f"crashed: {out.get('error', '')}"[:120]))
+            rows.append(
+                Row(
+                    label,
+                    recipe,
+                    None,
+                    predicted.total - predicted.bytes["overhead"],
+                    None,
+                    predicted.trainable_params,
+                    f"crashed: {out.get('error', '')}"[:120],
+                )
+            )
         if progress is not None:
             progress(list(rows))
     return rows
 
 
-def train_row(config_dir: str, seq: int = 128, accum: int = 4, max_steps: int = 15, learning_rate: float = 2e-3,
-              as_t4: bool = False) -> dict:
+def train_row(
+    config_dir: str,
+    seq: int = 128,
+    accum: int = 4,
+    max_steps: int = 15,
+    learning_rate: float = 2e-3,
+    as_t4: bool = False,
+) -> dict:
     """A short Trainer run in a child process: the losses, the seconds, and whether every LoRA
     parameter gets a gradient (lesson 3's `assert_gradients_flow`)."""
     config, policy, _ = _load(config_dir, "cuda", as_t4)
-    result = train(config, Recipe(seq=seq, accum=accum), counting_dataset(64, seq, 16), max_steps=max_steps,
-                   learning_rate=learning_rate, device="cuda", policy=policy, weights=config_dir)
+    result = train(
+        config,
+        Recipe(seq=seq, accum=accum),
+        counting_dataset(64, seq, 16),
+        max_steps=max_steps,
+        learning_rate=learning_rate,
+        device="cuda",
+        policy=policy,
+        weights=config_dir,
+    )
     ids = torch.randint(0, config.vocab_size, (1, 64), device="cuda")
     try:
         assert_gradients_flow(result.model, {"input_ids": ids, "labels": ids})
@@ -116,13 +168,18 @@ def expandable_row(config_dir: str, seq: int = 512, accum: int = 4, as_t4: bool 
         before = torch.cuda.memory_reserved()
         step()
         torch.cuda.synchronize()
-    return {"status": "ok", "setting": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
-            "allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved(),
-            "reserved_before_step": before}
+    return {
+        "status": "ok",
+        "setting": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
+        "allocated_peak": torch.cuda.max_memory_allocated(),
+        "reserved_peak": torch.cuda.max_memory_reserved(),
+        "reserved_before_step": before,
+    }
 
 
-def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4, *,
-                               as_t4: bool = False) -> dict[str, dict]:
+def expandable_segments_effect(
+    model: str = "1b", seq: int = 512, accum: int = 4, *, as_t4: bool = False
+) -> dict[str, dict]:
     """The training step's peak allocated and reserved bytes with PYTORCH_CUDA_ALLOC_CONF=
     expandable_segments:False and :True, each in a fresh process (the setting is read at the first
     CUDA call), from one saved checkpoint; CUDA only (lesson 5). A child that fails reports why."""
@@ -132,9 +189,17 @@ def expandable_segments_effect(model: str = "1b", seq: int = 512, accum: int = 4
         raise UserError(f"model must be '1b' or 'tiny', got {model!r}")
     config = llama_1b_config() if model == "1b" else tiny_llama_config()
     folder = str(checkpoint_dir(config))
-    return {value: isolate.run("course_lib.qlora.gpu_rows:expandable_row", config_dir=folder, seq=seq, accum=accum,
-                               as_t4=as_t4, env=_alloc_conf(f"expandable_segments:{value}"))
-            for value in ("False", "True")}
+    return {
+        value: isolate.run(
+            "course_lib.qlora.gpu_rows:expandable_row",
+            config_dir=folder,
+            seq=seq,
+            accum=accum,
+            as_t4=as_t4,
+            env=_alloc_conf(f"expandable_segments:{value}"),
+        )
+        for value in ("False", "True")
+    }
 
 
 def _alloc_conf(setting: str) -> dict[str, str]:

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
-from course_lib.errors import UserError
 from course_lib.device import DtypePolicy, dtype_policy
+from course_lib.errors import UserError
 from course_lib.measure import optimizer_state_tensors, peak_bytes
+from course_lib.models import build_model as meta_model
+from course_lib.models import spec_from_model
+from course_lib.paging import make_optimizer as lesson4_optimizer
+from course_lib.paging import release_cuda_memory
 from course_lib.planner import GPU, Setup, plan
-from course_lib.models import build_model as meta_model, spec_from_model
-from course_lib.paging import make_optimizer as lesson4_optimizer, release_cuda_memory
 from course_lib.qlora.building import build_model, quiet
 from course_lib.qlora.recipe import PLANNER_OPTIM, Recipe, valid_recipe
 
@@ -37,10 +39,17 @@ def planner_setup(recipe: Recipe, policy: DtypePolicy) -> Setup:
         precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(policy.autocast_dtype, "fp32")
     else:  # fp32 trainable weights (the policy's), autocast only changes activations
         precision = "fp32"
-    return Setup(precision=precision, optimizer=PLANNER_OPTIM[recipe.optim], lora_rank=recipe.lora_rank,
-                 quant="nf4-dq" if recipe.nf4 else "none", prepare_kbit=recipe.nf4 and recipe.prepare_kbit,
-                 batch=recipe.batch, seq=recipe.seq, accum=recipe.accum,
-                 checkpointing="every-layer" if recipe.checkpointing else "none")
+    return Setup(
+        precision=precision,
+        optimizer=PLANNER_OPTIM[recipe.optim],
+        lora_rank=recipe.lora_rank,
+        quant="nf4-dq" if recipe.nf4 else "none",
+        prepare_kbit=recipe.nf4 and recipe.prepare_kbit,
+        batch=recipe.batch,
+        seq=recipe.seq,
+        accum=recipe.accum,
+        checkpointing="every-layer" if recipe.checkpointing else "none",
+    )
 
 
 def predict(config, recipe: Recipe, policy: DtypePolicy | None = None, gpu=None):
@@ -74,9 +83,17 @@ class Row:
         return (self.predicted_peak - self.measured_peak) / self.measured_peak
 
 
-def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *, timed_steps: int = 1,
-                   label: str = "", policy: DtypePolicy | None = None, gpu: GPU | None = None,
-                   weights: str | Path | None = None) -> Row:
+def measure_recipe(
+    config,
+    recipe: Recipe,
+    device: str | torch.device = "cpu",
+    *,
+    timed_steps: int = 1,
+    label: str = "",
+    policy: DtypePolicy | None = None,
+    gpu: GPU | None = None,
+    weights: str | Path | None = None,
+) -> Row:
     """Build the recipe's model, run one optimizer step unmeasured (the optimizer state appears), time
     whole optimizer steps (accum micro-batches and the update), then measure the peak of one more,
     beside the planner's prediction of the same recipe (lesson 5).
@@ -102,18 +119,44 @@ def measure_recipe(config, recipe: Recipe, device: str | torch.device = "cpu", *
     label = label or recipe.describe()
     # the card's memory against the whole plan; what CUDA says is free (the context already taken) against
     # the plan without its CUDA context, which would otherwise count twice
-    if gpu is not None and (predicted.total > 0.95 * gpu.memory_bytes
-                            or predicted_peak > 0.95 * torch.cuda.mem_get_info(device)[0]):
-        return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "predicted not to fit",
-                   predicted_reserved=predicted.reserved)
+    if gpu is not None and (
+        predicted.total > 0.95 * gpu.memory_bytes or predicted_peak > 0.95 * torch.cuda.mem_get_info(device)[0]
+    ):
+        return Row(
+            label,
+            recipe,
+            None,
+            predicted_peak,
+            None,
+            predicted.trainable_params,
+            "predicted not to fit",
+            predicted_reserved=predicted.reserved,
+        )
     try:
-        return _measure(config, recipe, device, policy, timed_steps, label, predicted_peak, weights,
-                        predicted_reserved=predicted.reserved)
+        return _measure(
+            config,
+            recipe,
+            device,
+            policy,
+            timed_steps,
+            label,
+            predicted_peak,
+            weights,
+            predicted_reserved=predicted.reserved,
+        )
     except torch.cuda.OutOfMemoryError:
         pass  # leave the except block first: its traceback holds the model and the optimizer
     release_cuda_memory()
-    return Row(label, recipe, None, predicted_peak, None, predicted.trainable_params, "out of memory",
-               predicted_reserved=predicted.reserved)
+    return Row(
+        label,
+        recipe,
+        None,
+        predicted_peak,
+        None,
+        predicted.trainable_params,
+        "out of memory",
+        predicted_reserved=predicted.reserved,
+    )
 
 
 def recipe_step(model, recipe: Recipe, policy: DtypePolicy, ids: torch.Tensor):
@@ -138,8 +181,17 @@ def recipe_step(model, recipe: Recipe, policy: DtypePolicy, ids: torch.Tensor):
     return optimizer, optimizer_step
 
 
-def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, timed_steps: int, label: str,
-             predicted_peak: int, weights: str | Path | None = None, predicted_reserved: int | None = None) -> Row:
+def _measure(
+    config,
+    recipe: Recipe,
+    device: torch.device,
+    policy: DtypePolicy,
+    timed_steps: int,
+    label: str,
+    predicted_peak: int,
+    weights: str | Path | None = None,
+    predicted_reserved: int | None = None,
+) -> Row:
     model = build_model(config, recipe, device, policy, weights)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (recipe.batch, recipe.seq), generator=generator).to(device)
@@ -162,8 +214,16 @@ def _measure(config, recipe: Recipe, device: torch.device, policy: DtypePolicy, 
     del model, optimizer
     if device.type == "cuda":
         release_cuda_memory()
-    return Row(label, recipe, measured, predicted_peak, 1000 * statistics.median(times) if times else None, trainable,
-               measured_reserved=reserved, predicted_reserved=predicted_reserved)
+    return Row(
+        label,
+        recipe,
+        measured,
+        predicted_peak,
+        1000 * statistics.median(times) if times else None,
+        trainable,
+        measured_reserved=reserved,
+        predicted_reserved=predicted_reserved,
+    )
 
 
 def _peak_of_step(step, model, optimizer, ids, device: torch.device) -> int:

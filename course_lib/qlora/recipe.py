@@ -74,14 +74,25 @@ class Recipe:
 
     def all_off(self) -> Recipe:
         """A plain full fine-tune: no trick at all, the whole effective batch in one micro-batch."""
-        return Recipe(nf4=False, lora_rank=0, checkpointing=False, batch=self.effective_batch, accum=1,
-                      optim="adamw_torch", prepare_kbit=False, seq=self.seq)
+        return Recipe(
+            nf4=False,
+            lora_rank=0,
+            checkpointing=False,
+            batch=self.effective_batch,
+            accum=1,
+            optim="adamw_torch",
+            prepare_kbit=False,
+            seq=self.seq,
+        )
 
     def describe(self) -> str:
-        parts = ["NF4-DQ base" if self.nf4 else "unquantized base",
-                 f"LoRA r={self.lora_rank}" if self.lora_rank else "full fine-tune",
-                 "checkpointing" if self.checkpointing else "no checkpointing",
-                 f"batch {self.batch} x accum {self.accum}", self.optim]
+        parts = [
+            "NF4-DQ base" if self.nf4 else "unquantized base",
+            f"LoRA r={self.lora_rank}" if self.lora_rank else "full fine-tune",
+            "checkpointing" if self.checkpointing else "no checkpointing",
+            f"batch {self.batch} x accum {self.accum}",
+            self.optim,
+        ]
         if self.nf4:
             parts.append("prepare_kbit" if self.prepare_kbit else "no prepare_kbit")
         return ", ".join(parts)
@@ -89,5 +100,6 @@ class Recipe:
 
 def valid_recipe(recipe) -> Recipe:
     """`recipe` validated, or RecipeError for a bad field or for anything but a Recipe (a dict, say)."""
-    return validate.instance("recipe", recipe, Recipe, "a qlora.Recipe, e.g. Recipe(lora_rank=8)",
-                             error=RecipeError).validate()
+    return validate.instance(
+        "recipe", recipe, Recipe, "a qlora.Recipe, e.g. Recipe(lora_rank=8)", error=RecipeError
+    ).validate()

@@ -16,8 +16,15 @@ from course_lib.qlora.building import build_model, quiet
 from course_lib.qlora.recipe import Recipe, valid_recipe
 
 
-def training_arguments(recipe: Recipe, output_dir: str | Path, *, max_steps: int, learning_rate: float = 2e-3,
-                       device: str | torch.device = "cpu", policy: DtypePolicy | None = None):
+def training_arguments(
+    recipe: Recipe,
+    output_dir: str | Path,
+    *,
+    max_steps: int,
+    learning_rate: float = 2e-3,
+    device: str | torch.device = "cpu",
+    policy: DtypePolicy | None = None,
+):
     """The Trainer's arguments for a recipe (lesson 5): the four tricks are four arguments, the
     precision is the device's policy (fp16=True on a T4, bf16=True from compute capability 8.0)."""
     from transformers import TrainingArguments  # heavy: transformers
@@ -26,18 +33,36 @@ def training_arguments(recipe: Recipe, output_dir: str | Path, *, max_steps: int
     device = torch.device(device)
     policy = policy or dtype_policy(device)
     # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
-    name = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
         else "gradient_checkpointing"
-    checkpointing = {name: recipe.checkpointing,
-                     f"{name}_kwargs": {"use_reentrant": False} if recipe.checkpointing else None}
+    )
+    checkpointing = {
+        name: recipe.checkpointing,
+        f"{name}_kwargs": {"use_reentrant": False} if recipe.checkpointing else None,
+    }
     return TrainingArguments(
-        output_dir=str(output_dir), per_device_train_batch_size=recipe.batch,
-        gradient_accumulation_steps=recipe.accum, **checkpointing, optim=recipe.optim,
-        learning_rate=learning_rate, max_steps=max_steps, warmup_steps=0, lr_scheduler_type="constant",
-        logging_steps=1, save_strategy="no", report_to=[],
-        fp16=policy.autocast_dtype == torch.float16, bf16=policy.autocast_dtype == torch.bfloat16,
-        use_cpu=device.type == "cpu", dataloader_num_workers=0, seed=0, disable_tqdm=True,
-        remove_unused_columns=False)
+        output_dir=str(output_dir),
+        per_device_train_batch_size=recipe.batch,
+        gradient_accumulation_steps=recipe.accum,
+        **checkpointing,
+        optim=recipe.optim,
+        learning_rate=learning_rate,
+        max_steps=max_steps,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        fp16=policy.autocast_dtype == torch.float16,
+        bf16=policy.autocast_dtype == torch.bfloat16,
+        use_cpu=device.type == "cpu",
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
 
 
 @dataclass
@@ -47,9 +72,17 @@ class TrainResult:
     model: torch.nn.Module
 
 
-def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learning_rate: float = 2e-3,
-          device: str | torch.device = "cpu", policy: DtypePolicy | None = None,
-          weights: str | Path | None = None) -> TrainResult:
+def train(
+    config,
+    recipe: Recipe,
+    dataset: list[dict],
+    *,
+    max_steps: int,
+    learning_rate: float = 2e-3,
+    device: str | torch.device = "cpu",
+    policy: DtypePolicy | None = None,
+    weights: str | Path | None = None,
+) -> TrainResult:
     """Fine-tune with Hugging Face's Trainer and return the loss of every optimizer step (lesson 5).
     `policy` defaults to the device's (`course_lib.device.dtype_policy`); `weights` as in `build_model`."""
     from transformers import PrinterCallback, Trainer  # heavy: transformers
@@ -59,12 +92,14 @@ def train(config, recipe: Recipe, dataset: list[dict], *, max_steps: int, learni
     validate.positive("learning_rate", learning_rate)
     dataset = validate.non_empty("dataset", dataset, "rows (dicts of input_ids and labels)")
     if len(dataset) < recipe.effective_batch:
-        raise UserError(f"the dataset has {len(dataset)} rows, fewer than one effective batch "
-                        f"({recipe.effective_batch})")
+        raise UserError(
+            f"the dataset has {len(dataset)} rows, fewer than one effective batch ({recipe.effective_batch})"
+        )
     model = build_model(config, recipe, device, policy, weights)
     with tempfile.TemporaryDirectory() as folder, quiet():
-        args = training_arguments(recipe, folder, max_steps=max_steps, learning_rate=learning_rate, device=device,
-                                  policy=policy)
+        args = training_arguments(
+            recipe, folder, max_steps=max_steps, learning_rate=learning_rate, device=device, policy=policy
+        )
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
         trainer.remove_callback(PrinterCallback)  # the losses are returned, not printed
         start = time.perf_counter()

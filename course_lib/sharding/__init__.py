@@ -12,5 +12,17 @@ from course_lib.sharding.launch import free_port, run_ranks
 from course_lib.sharding.measuring import RankStep, measure_offload_on_cuda, measure_sharding
 from course_lib.sharding.tracking import CommCounter, RankTracker
 
-__all__ = ["ENGINES", "STAGES", "WRAPPINGS", "FSDPOptions", "wrap", "free_port", "run_ranks", "RankStep",
-           "measure_offload_on_cuda", "measure_sharding", "CommCounter", "RankTracker"]
+__all__ = [
+    "ENGINES",
+    "STAGES",
+    "WRAPPINGS",
+    "FSDPOptions",
+    "wrap",
+    "free_port",
+    "run_ranks",
+    "RankStep",
+    "measure_offload_on_cuda",
+    "measure_sharding",
+    "CommCounter",
+    "RankTracker",
+]

@@ -83,12 +83,22 @@ def fsdp_units(model: nn.Module, wrapping: str) -> list[list[nn.Module]]:
     embeddings, output = model.get_input_embeddings(), model.get_output_embeddings()
     tied = output is not None and output.weight is embeddings.weight  # then the embeddings stay with the root
     inside = {id(p) for layer in layers for p in layer.parameters()} | {id(embeddings.weight)}
-    rest = [m for m in model.modules() if m is not model and any(id(p) not in inside for p in m.parameters(recurse=False))]
+    rest = [
+        m for m in model.modules() if m is not model and any(id(p) not in inside for p in m.parameters(recurse=False))
+    ]
     return ([] if tied else [[embeddings]]) + units + ([rest] if rest else [])
 
 
-def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, device: str = "cpu",
-         offload_policy=None, fsdp: FSDPOptions = FSDPOptions()):
+def wrap(
+    model: nn.Module,
+    stage: str,
+    world_size: int,
+    lr: float = 1e-3,
+    *,
+    device: str = "cpu",
+    offload_policy=None,
+    fsdp: FSDPOptions = FSDPOptions(),
+):
     """(the model to train, its optimizer) for `stage` (one of ENGINES) in a running process group.
 
     The optimizer is torch's AdamW (foreach step, its default) in every stage (lesson 6). For FSDP2,
@@ -108,8 +118,11 @@ def wrap(model: nn.Module, stage: str, world_size: int, lr: float = 1e-3, *, dev
     # off the import path: torch.distributed.fsdp takes most of a second to import
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    options = dict(mesh=init_device_mesh(device, (world_size,)), reshard_after_forward=stage == "zero3",
-                   mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype))
+    options = dict(
+        mesh=init_device_mesh(device, (world_size,)),
+        reshard_after_forward=stage == "zero3",
+        mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype),
+    )
     if offload_policy is not None:
         options["offload_policy"] = offload_policy
     for unit in fsdp_units(model, fsdp.wrapping):

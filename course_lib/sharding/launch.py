@@ -36,13 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, worker: Callable,
-           args: tuple, backend: str) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, worker: Callable, args: tuple, backend: str
+) -> None:
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):  # the loopback interface's name there (macOS: lo0, found by gloo)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         result = worker(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -51,12 +57,20 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
 
 
 # imported once by the fork server, before any rank is forked from it
-PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.models.llama.modeling_llama",
-           "transformers.models.gpt2.modeling_gpt2", "transformers.models.qwen2.modeling_qwen2", "course_lib.sharding"]
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.qwen2.modeling_qwen2",
+    "course_lib.sharding",
+]
 
 
-def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0, what: str = "processes",
-              backend: str = "gloo") -> list:
+def run_ranks(
+    worker: Callable, world_size: int, *args, timeout_s: float = 120.0, what: str = "processes", backend: str = "gloo"
+) -> list:
     """`worker(rank, world_size, *args)` in `world_size` gloo processes; their results in rank order.
 
     `worker` must be importable by name (a module-level function); `backend` is torch.distributed's
@@ -80,11 +94,17 @@ def run_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 120.0
                 raise
 
 
-def _run_once(worker: Callable, world_size: int, args: tuple, timeout_s: float, what: str, backend: str,
-              method: str) -> list:
+def _run_once(
+    worker: Callable, world_size: int, args: tuple, timeout_s: float, what: str, backend: str, method: str
+) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, timeout_s, worker, args, backend),
-                                     nprocs=world_size, join=False, start_method=method)
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), out_dir, timeout_s, worker, args, backend),
+            nprocs=world_size,
+            join=False,
+            start_method=method,
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=min(0.5, max(deadline - time.monotonic(), 0.001))):
@@ -104,13 +124,20 @@ def _check_sendable(worker: Callable, args: tuple) -> None:
     main = sys.modules.get("__main__")
     for obj in (worker, *args):
         func = getattr(obj, "func", obj)  # functools.partial: the function it calls
-        if callable(func) and getattr(func, "__module__", None) == "__main__" \
-                and not os.path.isfile(getattr(main, "__file__", "")):
-            raise UserError(f"{getattr(func, '__name__', func)!r} is defined in this notebook or console, which "
-                            "the rank processes cannot import: define it in a .py module (or use "
-                            "functools.partial of a library function, e.g. course_lib.checkpointing.tiny_decoder)")
+        if (
+            callable(func)
+            and getattr(func, "__module__", None) == "__main__"
+            and not os.path.isfile(getattr(main, "__file__", ""))
+        ):
+            raise UserError(
+                f"{getattr(func, '__name__', func)!r} is defined in this notebook or console, which "
+                "the rank processes cannot import: define it in a .py module (or use "
+                "functools.partial of a library function, e.g. course_lib.checkpointing.tiny_decoder)"
+            )
         try:
             pickle.dumps(obj)
         except (pickle.PicklingError, AttributeError, TypeError) as error:
-            raise UserError(f"cannot send {obj!r} to the rank processes ({error}): use a module-level function "
-                            "or functools.partial of one") from None
+            raise UserError(
+                f"cannot send {obj!r} to the rank processes ({error}): use a module-level function "
+                "or functools.partial of one"
+            ) from None

@@ -37,17 +37,17 @@ class RankStep(PlainTextTable):
     engine: str
     world_size: int
     rank: int
-    micro_batches: int      # micro-batches in the measured step (gradient accumulation)
-    skip_sync: bool         # all but the last micro-batch skip the gradient sync (DDP no_sync, FSDP2
-                            # set_requires_gradient_sync(False))
-    parameters: int         # this rank's parameters (its shards under FSDP2), after the step
-    gradients: int          # this rank's gradients (shards under FSDP2), after the step
-    optimizer_state: int    # this rank's AdamW state
-    peak: int               # the most live at any moment of forward, backward and the optimizer step,
-                            # the highest of the measured steps
-    phase_peaks: dict       # of the measured step with the highest peak
-    repeat_peaks: list      # the peak of each measured step
-    bytes_sent: int         # by this rank, ring algorithm, all collectives of the step
+    micro_batches: int  # micro-batches in the measured step (gradient accumulation)
+    skip_sync: bool  # all but the last micro-batch skip the gradient sync (DDP no_sync, FSDP2
+    # set_requires_gradient_sync(False))
+    parameters: int  # this rank's parameters (its shards under FSDP2), after the step
+    gradients: int  # this rank's gradients (shards under FSDP2), after the step
+    optimizer_state: int  # this rank's AdamW state
+    peak: int  # the most live at any moment of forward, backward and the optimizer step,
+    # the highest of the measured steps
+    phase_peaks: dict  # of the measured step with the highest peak
+    repeat_peaks: list  # the peak of each measured step
+    bytes_sent: int  # by this rank, ring algorithm, all collectives of the step
     sent_by_collective: dict
     calls: dict
 
@@ -59,10 +59,12 @@ class RankStep(PlainTextTable):
         return asdict(self)
 
     def __str__(self) -> str:
-        return (f"{self.stage} ({self.engine}), rank {self.rank} of {self.world_size}: peak {format_bytes(self.peak)}, "
-                f"model states {format_bytes(self.model_states)} (parameters {format_bytes(self.parameters)}, "
-                f"gradients {format_bytes(self.gradients)}, optimizer {format_bytes(self.optimizer_state)}), "
-                f"sent {format_bytes(self.bytes_sent)}")
+        return (
+            f"{self.stage} ({self.engine}), rank {self.rank} of {self.world_size}: peak {format_bytes(self.peak)}, "
+            f"model states {format_bytes(self.model_states)} (parameters {format_bytes(self.parameters)}, "
+            f"gradients {format_bytes(self.gradients)}, optimizer {format_bytes(self.optimizer_state)}), "
+            f"sent {format_bytes(self.bytes_sent)}"
+        )
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -82,13 +84,23 @@ def _no_sync(engine, skip: bool):
     return engine.no_sync() if skip else contextlib.nullcontext()
 
 
-def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: int, seq: int, seed: int,
-                   micro_batches: int = 1, skip_sync: bool = False, repeats: int = REPEATS,
-                   fsdp: FSDPOptions = FSDPOptions()) -> RankStep:
+def _measure_stage(
+    rank: int,
+    world_size: int,
+    build,
+    stage: str,
+    batch_size: int,
+    seq: int,
+    seed: int,
+    micro_batches: int = 1,
+    skip_sync: bool = False,
+    repeats: int = REPEATS,
+    fsdp: FSDPOptions = FSDPOptions(),
+) -> RankStep:
     torch.manual_seed(seed)
     model = build()
     vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(seed + rank)   # each rank trains on its own micro-batch
+    generator = torch.Generator().manual_seed(seed + rank)  # each rank trains on its own micro-batch
     ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
     batch = {"input_ids": ids, "labels": ids}
     tracker = RankTracker()
@@ -97,11 +109,11 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
     with tracker:
         engine, optimizer = wrap(model, stage, world_size, fsdp=fsdp)
         del model
-        _loss(engine, batch).backward()                       # warm-up: optimizer state, engine buffers
+        _loss(engine, batch).backward()  # warm-up: optimizer state, engine buffers
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         measured = []
-        for repeat in range(repeats):
+        for _ in range(repeats):
             peaks: dict[str, int] = {}
 
             def begin(phase: str) -> None:  # fold the phase that ends into `peaks`, start the next
@@ -126,29 +138,62 @@ def _measure_stage(rank: int, world_size: int, build, stage: str, batch_size: in
             measured.append(peaks)
     params = [_local(p) for p in engine.parameters()]
     grads = [_local(p.grad) for p in engine.parameters()]
-    inner = getattr(optimizer, "optim", optimizer)              # ZeroRedundancyOptimizer's local AdamW
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local AdamW
     state = [_local(t) for t in optimizer_state_tensors(inner)]
     peaks = max(measured, key=lambda p: max(p.values()))
-    return RankStep(stage=stage, engine=ENGINES[stage], world_size=world_size, rank=rank,
-                    micro_batches=micro_batches, skip_sync=skip_sync,
-                    parameters=storage_bytes(params), gradients=storage_bytes(grads),
-                    optimizer_state=storage_bytes(state), peak=max(peaks.values()),
-                    phase_peaks=peaks, repeat_peaks=[max(p.values()) for p in measured],
-                    bytes_sent=counter.bytes_sent, sent_by_collective=dict(counter.sent),
-                    calls=dict(counter.calls))
+    return RankStep(
+        stage=stage,
+        engine=ENGINES[stage],
+        world_size=world_size,
+        rank=rank,
+        micro_batches=micro_batches,
+        skip_sync=skip_sync,
+        parameters=storage_bytes(params),
+        gradients=storage_bytes(grads),
+        optimizer_state=storage_bytes(state),
+        peak=max(peaks.values()),
+        phase_peaks=peaks,
+        repeat_peaks=[max(p.values()) for p in measured],
+        bytes_sent=counter.bytes_sent,
+        sent_by_collective=dict(counter.sent),
+        calls=dict(counter.calls),
+    )
 
 
-def _worker(rank: int, world_size: int, build, runs, batch_size: int, seq: int, seed: int,
-            micro_batches: int, repeats: int, fsdp: FSDPOptions) -> list[dict]:
-    return [_measure_stage(rank, world_size, build, stage, batch_size, seq, seed, micro_batches, skip,
-                           repeats, fsdp).to_dict()
-            for stage, skip in runs]
+def _worker(
+    rank: int,
+    world_size: int,
+    build,
+    runs,
+    batch_size: int,
+    seq: int,
+    seed: int,
+    micro_batches: int,
+    repeats: int,
+    fsdp: FSDPOptions,
+) -> list[dict]:
+    return [
+        _measure_stage(
+            rank, world_size, build, stage, batch_size, seq, seed, micro_batches, skip, repeats, fsdp
+        ).to_dict()
+        for stage, skip in runs
+    ]
 
 
-def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
-                     seq: int = 64, seed: int = 0, micro_batches: int = 1, skip_sync=(False,),
-                     repeats: int = REPEATS, fsdp: FSDPOptions = FSDPOptions(),
-                     timeout_s: float = 300.0) -> list[RankStep]:
+def measure_sharding(
+    build,
+    world_size: int,
+    stages=STAGES,
+    *,
+    batch: int = 2,
+    seq: int = 64,
+    seed: int = 0,
+    micro_batches: int = 1,
+    skip_sync=(False,),
+    repeats: int = REPEATS,
+    fsdp: FSDPOptions = FSDPOptions(),
+    timeout_s: float = 300.0,
+) -> list[RankStep]:
     """Every rank's memory and traffic for one step of each stage, in one start of the processes (lesson 6).
 
     `build`: a picklable function returning a fresh fp32 Hugging Face causal LM (e.g.
@@ -161,15 +206,29 @@ def measure_sharding(build, world_size: int, stages=STAGES, *, batch: int = 2,
     """
     stages = validate.choices("stage", stages, tuple(ENGINES))  # all before any process starts
     world_size = validate.positive_int("world_size (processes on this machine)", world_size, maximum=64)
-    batch, seq, micro_batches, repeats = (validate.positive_int(name, value) for name, value in (
-        ("batch", batch), ("seq", seq), ("micro_batches", micro_batches), ("repeats", repeats)))
+    batch, seq, micro_batches, repeats = (
+        validate.positive_int(name, value)
+        for name, value in (("batch", batch), ("seq", seq), ("micro_batches", micro_batches), ("repeats", repeats))
+    )
     skip_sync = [validate.strict_bool("skip_sync", skip) for skip in validate.non_empty("skip_sync", skip_sync)]
     validate.positive("timeout_s", timeout_s)
     if not callable(build):
         raise UserError(f"build must be a function returning a fresh model, got {build!r}")
     runs = [(stage, bool(skip)) for stage in stages for skip in skip_sync]
-    per_rank = run_ranks(_worker, world_size, build, runs, batch, seq, seed, micro_batches, repeats, fsdp,
-                         timeout_s=timeout_s, what="sharding processes")
+    per_rank = run_ranks(
+        _worker,
+        world_size,
+        build,
+        runs,
+        batch,
+        seq,
+        seed,
+        micro_batches,
+        repeats,
+        fsdp,
+        timeout_s=timeout_s,
+        what="sharding processes",
+    )
     return [RankStep(**per_rank[r][i]) for i in range(len(runs)) for r in range(world_size)]
 
 
@@ -190,8 +249,10 @@ def _offload_worker(rank: int, world_size: int, build, batch_size: int, seq: int
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
-    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
-            "parameters_on": str(next(model.parameters()).to_local().device)}
+    return {
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+        "parameters_on": str(next(model.parameters()).to_local().device),
+    }
 
 
 def measure_offload_on_cuda(build, *, batch: int = 2, seq: int = 64, timeout_s: float = 300.0) -> dict:
@@ -199,5 +260,13 @@ def measure_offload_on_cuda(build, *, batch: int = 2, seq: int = 64, timeout_s: 
     (the caching allocator's) and where the parameters live (lesson 6, "offloading the shards")."""
     if not torch.cuda.is_available():
         raise RuntimeError("measure_offload_on_cuda needs a CUDA GPU")
-    return run_ranks(_offload_worker, 1, build, batch, seq, timeout_s=timeout_s, what="offload processes",
-                     backend="cuda:nccl,cpu:gloo")[0]
+    return run_ranks(
+        _offload_worker,
+        1,
+        build,
+        batch,
+        seq,
+        timeout_s=timeout_s,
+        what="offload processes",
+        backend="cuda:nccl,cpu:gloo",
+    )[0]

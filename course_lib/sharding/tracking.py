@@ -62,6 +62,7 @@ class RankTracker(LiveStorageTracker):
         def alloc_storage(tensor: torch.Tensor) -> None:
             original(tensor)
             self.watch(tensor)
+
         return alloc_storage
 
     def _free(self, original):
@@ -71,14 +72,22 @@ class RankTracker(LiveStorageTracker):
             if storage.nbytes() and key in self.live:
                 self._record(-self.live.pop(key))
             original(tensor)
+
         return free_storage
 
 
 # collective: (per-rank bytes sent as a multiple of (N-1)/N x B for a B-byte tensor, which argument
 # holds that full-size tensor: the output of a gather, the input of a scatter)
-_COLLECTIVES = {"all_reduce": (2, 0), "all_gather_single": (1, 0), "all_gather_into_tensor": (1, 0),
-                "all_gather": (1, 0), "reduce_scatter_single": (1, 1), "reduce_scatter_tensor": (1, 1),
-                "reduce_scatter": (1, 1), "broadcast": (1, 0)}
+_COLLECTIVES = {
+    "all_reduce": (2, 0),
+    "all_gather_single": (1, 0),
+    "all_gather_into_tensor": (1, 0),
+    "all_gather": (1, 0),
+    "reduce_scatter_single": (1, 1),
+    "reduce_scatter_tensor": (1, 1),
+    "reduce_scatter": (1, 1),
+    "broadcast": (1, 0),
+}
 
 
 @dataclass
@@ -114,6 +123,7 @@ class CommCounter:
             def collective(*args, **kwargs):
                 self._count(name, signature, args, kwargs)
                 return original(*args, **kwargs)
+
             return collective
 
         for name, original in saved.items():

@@ -24,8 +24,14 @@ from course_lib import validate
 from course_lib.errors import UserError
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    labels: torch.Tensor, softcap: float | None, ignore_index: int) -> torch.Tensor:
+def _chunk_loss_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    softcap: float | None,
+    ignore_index: int,
+) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)
     if softcap is not None:  # Gemma-2's final_logit_softcapping, as its ForCausalLM applies it
         logits = torch.tanh(logits / softcap) * softcap
@@ -37,11 +43,20 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                          *, bias: torch.Tensor | None = None, ignore_index: int = -100,
-                          num_items_in_batch: int | torch.Tensor | None = None, softcap: float | None = None,
-                          shift: bool = True, recompute: bool = True,
-                          recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    softcap: float | None = None,
+    shift: bool = True,
+    recompute: bool = True,
+    recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> torch.Tensor:
     """The causal LM loss of `hidden` (batch, seq, hidden) under the output layer `weight` (vocab,
     hidden), `chunk_size` tokens at a time (lesson 7, "chunked loss"); equal to Hugging Face's loss of
     `F.linear(hidden, weight, bias)` within float rounding, gradients included.
@@ -56,25 +71,41 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     """
     chunk_size = validate.positive_int("chunk_size", chunk_size)
     if num_items_in_batch is not None and not torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = validate.positive_int("num_items_in_batch (the tokens of the whole batch, or None)",
-                                                   num_items_in_batch)
+        num_items_in_batch = validate.positive_int(
+            "num_items_in_batch (the tokens of the whole batch, or None)", num_items_in_batch
+        )
     for name, tensor in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         validate.instance(name, tensor, torch.Tensor, "a torch.Tensor")
     if hidden.dim() < 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise UserError(f"hidden {tuple(hidden.shape)} must be (batch, seq, hidden) and weight {tuple(weight.shape)} "
-                        "(vocab, hidden), with the same hidden size")
+        raise UserError(
+            f"hidden {tuple(hidden.shape)} must be (batch, seq, hidden) and weight {tuple(weight.shape)} "
+            "(vocab, hidden), with the same hidden size"
+        )
     if hidden.shape[:-1] != labels.shape:
-        raise UserError(f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
-                        f"dimension, {tuple(hidden.shape[:-1])}")
+        raise UserError(
+            f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
+            f"dimension, {tuple(hidden.shape[:-1])}"
+        )
     targets = (shifted_labels(labels, ignore_index) if shift else labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
-    context_fn = noop_context_fn if recompute_context is None else \
-        (lambda: (contextlib.nullcontext(), recompute_context()))
+    context_fn = (
+        noop_context_fn if recompute_context is None else (lambda: (contextlib.nullcontext(), recompute_context()))
+    )
     for h, y in zip(flat.split(chunk_size), targets.split(chunk_size)):
         if recompute:
-            total = total + checkpoint(_chunk_loss_sum, h, weight, bias, y, softcap, ignore_index,
-                                       use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
+            total = total + checkpoint(
+                _chunk_loss_sum,
+                h,
+                weight,
+                bias,
+                y,
+                softcap,
+                ignore_index,
+                use_reentrant=False,
+                preserve_rng_state=False,
+                context_fn=context_fn,
+            )
         else:
             total = total + _chunk_loss_sum(h, weight, bias, y, softcap, ignore_index)
     if num_items_in_batch is None:  # labels all ignore_index: 0 (no token adds to the loss), not HF's NaN (0/0)
@@ -84,8 +115,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     return total / num_items_in_batch
 
 
-def hidden_states_and_head(model: torch.nn.Module, input_ids: torch.Tensor,
-                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.nn.Linear]:
+def hidden_states_and_head(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.nn.Linear]:
     """The last hidden states of a Hugging Face causal LM (its decoder, final norm included) and its
     output layer, without computing the logits (lesson 7). A peft model is unwrapped first (its
     adapters live inside the base model's layers)."""
@@ -94,8 +126,10 @@ def hidden_states_and_head(model: torch.nn.Module, input_ids: torch.Tensor,
     head = model.get_output_embeddings()
     decoder = model.base_model
     if head is None or decoder is model:
-        raise UserError(f"{type(model).__name__} is not a Hugging Face causal LM with an output layer "
-                        "(get_output_embeddings) and a base model")
+        raise UserError(
+            f"{type(model).__name__} is not a Hugging Face causal LM with an output layer "
+            "(get_output_embeddings) and a base model"
+        )
     for name in ("logit_scale", "logits_scaling"):
         if getattr(model.config, name, None) not in (None, 1, 1.0):
             raise UserError(f"{type(model).__name__} scales its logits ({name}): chunked_causal_lm_loss does not")
@@ -103,16 +137,29 @@ def hidden_states_and_head(model: torch.nn.Module, input_ids: torch.Tensor,
     return out.last_hidden_state, head
 
 
-def chunked_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                           *, attention_mask: torch.Tensor | None = None, ignore_index: int = -100,
-                           num_items_in_batch: int | torch.Tensor | None = None,
-                           recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None
-                           ) -> torch.Tensor:
+def chunked_causal_lm_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> torch.Tensor:
     """`model(input_ids, attention_mask=..., labels=labels).loss` of a Hugging Face causal LM, with the
     output layer and the loss computed `chunk_size` tokens at a time (lesson 7, "chunked loss");
     `recompute_context` as in `chunked_cross_entropy`."""
     hidden, head = hidden_states_and_head(model, input_ids, attention_mask)
-    return chunked_cross_entropy(hidden, head.weight, labels, chunk_size, bias=head.bias,
-                                 ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
-                                 softcap=getattr(model.config, "final_logit_softcapping", None),
-                                 recompute_context=recompute_context)
+    return chunked_cross_entropy(
+        hidden,
+        head.weight,
+        labels,
+        chunk_size,
+        bias=head.bias,
+        ignore_index=ignore_index,
+        num_items_in_batch=num_items_in_batch,
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+        recompute_context=recompute_context,
+    )

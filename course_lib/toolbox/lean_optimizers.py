@@ -85,8 +85,11 @@ def state_tensors(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, st
                 continue
             nbytes = 0 if storage_key(value) in seen else value.untyped_storage().nbytes()
             seen.add(storage_key(value))
-            rows.append(StateTensor(names.get(param, "?"), key, tuple(value.shape),
-                                    str(value.dtype).replace("torch.", ""), nbytes))
+            rows.append(
+                StateTensor(
+                    names.get(param, "?"), key, tuple(value.shape), str(value.dtype).replace("torch.", ""), nbytes
+                )
+            )
     return rows
 
 

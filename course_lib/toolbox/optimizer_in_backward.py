@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from course_lib.errors import UserError
 from course_lib import validate
+from course_lib.errors import UserError
 
 
 class OptimizerInBackward:
@@ -28,8 +28,11 @@ class OptimizerInBackward:
     `remove()` takes the hooks off.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter],
-                 make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise UserError("OptimizerInBackward got no parameters that require grad")
@@ -67,8 +70,9 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max((x - b[name]).abs().max().item() for name, x in a.items())
 
 
-def accumulation_breaks(make_model: Callable[[], torch.nn.Module], batches: list[torch.Tensor],
-                        make_optimizer: Callable, loss_fn: Callable) -> dict[str, float]:
+def accumulation_breaks(
+    make_model: Callable[[], torch.nn.Module], batches: list[torch.Tensor], make_optimizer: Callable, loss_fn: Callable
+) -> dict[str, float]:
     """Run K micro-batches with accumulation, once with a normal step after the last one and once with
     the step in backward, and say how far apart the weights end up (lesson 7, "why no accumulation").
 
@@ -76,8 +80,10 @@ def accumulation_breaks(make_model: Callable[[], torch.nn.Module], batches: list
     K micro-batch gradients, not one step on their sum. Returns the optimizer steps each run took and
     the largest weight difference.
     """
-    batches = [validate.instance("each batch", batch, torch.Tensor, "a torch.Tensor")
-               for batch in validate.non_empty("batches", batches, "micro-batches (tensors)")]
+    batches = [
+        validate.instance("each batch", batch, torch.Tensor, "a torch.Tensor")
+        for batch in validate.non_empty("batches", batches, "micro-batches (tensors)")
+    ]
     torch.manual_seed(0)
     plain = make_model()
     fused = make_model()
@@ -90,12 +96,21 @@ def accumulation_breaks(make_model: Callable[[], torch.nn.Module], batches: list
     for batch in batches:
         (loss_fn(fused, batch) / len(batches)).backward()
     in_backward.remove()
-    return {"micro_batches": len(batches), "steps_normal": 1, "steps_in_backward": max(in_backward.steps.values()),
-            "largest_weight_difference": _largest_difference(_snapshot(plain), _snapshot(fused))}
+    return {
+        "micro_batches": len(batches),
+        "steps_normal": 1,
+        "steps_in_backward": max(in_backward.steps.values()),
+        "largest_weight_difference": _largest_difference(_snapshot(plain), _snapshot(fused)),
+    }
 
 
-def clipping_breaks(make_model: Callable[[], torch.nn.Module], batch: torch.Tensor, make_optimizer: Callable,
-                    loss_fn: Callable, max_norm: float) -> dict[str, float]:
+def clipping_breaks(
+    make_model: Callable[[], torch.nn.Module],
+    batch: torch.Tensor,
+    make_optimizer: Callable,
+    loss_fn: Callable,
+    max_norm: float,
+) -> dict[str, float]:
     """Clip the global gradient norm to `max_norm` in a normal step and try it with the step in backward
     (lesson 7, "why no global clip").
 
@@ -117,5 +132,9 @@ def clipping_breaks(make_model: Callable[[], torch.nn.Module], batch: torch.Tens
     loss_fn(fused, batch).backward()
     in_backward.remove()
     left = sum(p.grad is not None for p in fused.parameters())
-    return {"global_norm": norm, "max_norm": max_norm, "gradients_left_after_backward": left,
-            "largest_weight_difference": _largest_difference(_snapshot(plain), _snapshot(fused))}
+    return {
+        "global_norm": norm,
+        "max_norm": max_norm,
+        "gradients_left_after_backward": left,
+        "largest_weight_difference": _largest_difference(_snapshot(plain), _snapshot(fused)),
+    }

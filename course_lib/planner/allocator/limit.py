@@ -15,12 +15,12 @@ from dataclasses import replace
 
 from course_lib.cache import cached_answer
 from course_lib.caching_allocator import AllocatorOutOfMemory, replay
-from course_lib.planner.trace.checkpointed import planned_stream
-from course_lib.planner.trace.deep_stream import live_peak
+from course_lib.models import ModelSpec
 from course_lib.planner.allocator.reserved import Reserved, two_steps
 from course_lib.planner.config.setup import Setup
+from course_lib.planner.trace.checkpointed import planned_stream
+from course_lib.planner.trace.deep_stream import live_peak
 from course_lib.planner.trace.step import _trace_key
-from course_lib.models import ModelSpec
 
 
 def at_the_limit(line: Reserved, spec: ModelSpec | None, setup: Setup, target: str = "cuda") -> Reserved:

@@ -155,25 +155,40 @@ class Reserved:
     def line(self) -> str:
         """One line (<= 110 characters): allocated, reserved, and nvidia-smi's estimate."""
         managed = f" + paged {self.managed / 2**30:.2f}" if self.managed else ""
-        return (f"predicted: allocated {self.allocated / 2**30:.2f} GiB, reserved {self.reserved / 2**30:.2f} GiB; "
-                f"+ context {self.context / 2**30:.2f}{managed} = nvidia-smi {self.nvidia_smi / 2**30:.2f} GiB")
+        return (
+            f"predicted: allocated {self.allocated / 2**30:.2f} GiB, reserved {self.reserved / 2**30:.2f} GiB; "
+            f"+ context {self.context / 2**30:.2f}{managed} = nvidia-smi {self.nvidia_smi / 2**30:.2f} GiB"
+        )
 
     def verdict(self, gpu: GPU) -> str:
         """Fits or not against CUDA's capacity, and by how much."""
         seen = "CUDA's" if self.capacity_sourced else "nvidia-smi's"  # what CUDA reports, or nvidia-smi's total
         head = f"{gpu.name} ({seen} {format_bytes(self.capacity)})"
         if self.retries:
-            return (f"fits on {head} at its limit: the caching allocator frees its cache and retries (slower steps), "
-                    f"{format_bytes(self.capacity - self.held - self.context - self.managed)} above what it holds")
+            return (
+                f"fits on {head} at its limit: the caching allocator frees its cache and retries (slower steps), "
+                f"{format_bytes(self.capacity - self.held - self.context - self.managed)} above what it holds"
+            )
         margin = self.capacity - self.nvidia_smi
-        return (f"fits on {head}: {format_bytes(margin)} to spare" if margin >= 0
-                else f"does not fit on {head}: {format_bytes(-margin)} over")
+        return (
+            f"fits on {head}: {format_bytes(margin)} to spare"
+            if margin >= 0
+            else f"does not fit on {head}: {format_bytes(-margin)} over"
+        )
 
     def to_dict(self) -> dict:
-        return {"allocated_bytes": self.allocated, "reserved_bytes": self.reserved, "workspace_bytes": self.workspaces,
-                "context_bytes": self.context, "managed_bytes": self.managed, "nvidia_smi_bytes": self.nvidia_smi,
-                "cuda_capacity_bytes": self.capacity, "cuda_capacity_sourced": self.capacity_sourced,
-                "fits": self.fits, "allocator_retries": self.retries}
+        return {
+            "allocated_bytes": self.allocated,
+            "reserved_bytes": self.reserved,
+            "workspace_bytes": self.workspaces,
+            "context_bytes": self.context,
+            "managed_bytes": self.managed,
+            "nvidia_smi_bytes": self.nvidia_smi,
+            "cuda_capacity_bytes": self.capacity,
+            "cuda_capacity_sourced": self.capacity_sourced,
+            "fits": self.fits,
+            "allocator_retries": self.retries,
+        }
 
 
 def _numels(spec, states) -> list[int]:
@@ -192,13 +207,25 @@ def state_blocks(spec, setup, states, values: dict[str, int]) -> list[int]:
         return []
     shapes = _trained_shapes(spec, states)
     full_state = states.full_state or (False,) * len(shapes)
-    state = [size for shape, full in zip(shapes, full_state)
-             for size in state_tensor_bytes(setup.optimizer, shape, states.state_itemsize, full)]
+    state = [
+        size
+        for shape, full in zip(shapes, full_state)
+        for size in state_tensor_bytes(setup.optimizer, shape, states.state_itemsize, full)
+    ]
     return _split(values["optimizer_state"], state)
 
 
-def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu: GPU,
-                        detail: dict | None = None, checkpointed: int | None = None, wrap: int = 0) -> Reserved:
+def reserved_prediction(
+    spec,
+    setup,
+    states,
+    values: dict[str, int],
+    trace,
+    gpu: GPU,
+    detail: dict | None = None,
+    checkpointed: int | None = None,
+    wrap: int = 0,
+) -> Reserved:
     """The OOM line of one planned step on `gpu` (lesson 1): `values` are the plan's bytes by category
     (one GPU's share under --gpus), `states` its model states, `trace` its meta-device trace (None for a
     bare parameter count: then the step adds no slack), `detail` the plan's (FSDP1's stream pool),
@@ -211,8 +238,13 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
     numels = _numels(spec, states)
     trained = [max(1, math.prod(shape)) for shape in _trained_shapes(spec, states)]
     workspaces = cublas_workspaces(gpu)
-    sizes = (_split(values["weights"], numels) + workspaces + _split(values["quantization"], numels)
-             + _split(values["master_weights"], trained) + state_blocks(spec, setup, states, values))
+    sizes = (
+        _split(values["weights"], numels)
+        + workspaces
+        + _split(values["quantization"], numels)
+        + _split(values["master_weights"], trained)
+        + state_blocks(spec, setup, states, values)
+    )
     held = allocated - managed + _states_slack(tuple(sizes)) + sum(workspaces)
     slack = wrap
     if checkpointed is not None:
@@ -226,6 +258,6 @@ def reserved_prediction(spec, setup, states, values: dict[str, int], trace, gpu:
     capacity = gpu.cuda_memory_bytes or gpu.memory_bytes
     context = values["overhead"] or CUDA_CONTEXT_BYTES
     reserved = held + max(0, slack)  # the wrap's cache can hold the step's blocks: never below what is held
-    return Reserved(allocated, reserved, sum(workspaces), context, managed, capacity, gpu.cuda_memory_bytes is not None,
-                    held)
-
+    return Reserved(
+        allocated, reserved, sum(workspaces), context, managed, capacity, gpu.cuda_memory_bytes is not None, held
+    )

@@ -48,8 +48,14 @@ class GPU:
 
 
 GPUS = {
-    "t4": GPU("T4", 15360 * MiB, (7, 5), "16 GB card, 15360 MiB visible with ECC on (Colab)", "PCIe 3.0 x16",
-              cuda_memory_bytes=15095 * MiB),
+    "t4": GPU(
+        "T4",
+        15360 * MiB,
+        (7, 5),
+        "16 GB card, 15360 MiB visible with ECC on (Colab)",
+        "PCIe 3.0 x16",
+        cuda_memory_bytes=15095 * MiB,
+    ),
     "l4": GPU("L4", 23034 * MiB, (8, 9), "24 GB card"),
     "a10g": GPU("A10G", 23028 * MiB, (8, 6), "24 GB card (AWS g5)"),
     "a100-40gb": GPU("A100 40GB", 40960 * MiB, (8, 0)),
@@ -62,9 +68,17 @@ GPUS = {
     "a6000": GPU("RTX A6000", 49140 * MiB, (8, 6), "48 GB card"),
     "v100-16gb": GPU("V100 16GB", 16160 * MiB, (7, 0), "16 GB card", "PCIe 3.0 x16"),
 }
-_GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
-                "3090": "rtx3090", "4090": "rtx4090", "rtx-3090": "rtx3090", "rtx-4090": "rtx4090",
-                "colab": "t4"}
+_GPU_ALIASES = {
+    "a100": "a100-80gb",
+    "h100": "h100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "3090": "rtx3090",
+    "4090": "rtx4090",
+    "rtx-3090": "rtx3090",
+    "rtx-4090": "rtx4090",
+    "colab": "t4",
+}
 
 
 def get_gpu(name: str | GPU) -> GPU:
@@ -79,6 +93,7 @@ def get_gpu(name: str | GPU) -> GPU:
     close = difflib.get_close_matches(key, list(GPUS) + list(_GPU_ALIASES), n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise PlanError(f"unknown GPU {name!r}: {hint}known: {', '.join(GPUS)}")
+
 
 def default_precision(gpu: GPU | None, quant: str = "none", gpus: int | None = None) -> str:
     """The precision `course-lib plan` assumes (lesson 1): on a GPU target the Trainer's bf16=True, amp-bf16

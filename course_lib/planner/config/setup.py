@@ -9,19 +9,49 @@ import torch
 from course_lib import checkpointing, validate
 from course_lib.errors import UserError
 
-PRECISIONS = ("fp32", "bf16", "fp16", "mixed-bf16", "mixed-fp16", "mixed-bf16-fp32grads", "mixed-fp16-fp32grads",
-              "amp-bf16", "amp-fp16")
-OPTIMIZERS = ("sgd", "momentum", "adamw", "adamw_fused", "adamw8bit", "paged_adamw8bit", "paged_adamw32bit",
-              "adafactor", "lion")
+PRECISIONS = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "mixed-bf16",
+    "mixed-fp16",
+    "mixed-bf16-fp32grads",
+    "mixed-fp16-fp32grads",
+    "amp-bf16",
+    "amp-fp16",
+)
+OPTIMIZERS = (
+    "sgd",
+    "momentum",
+    "adamw",
+    "adamw_fused",
+    "adamw8bit",
+    "paged_adamw8bit",
+    "paged_adamw32bit",
+    "adafactor",
+    "lion",
+)
 QUANTS = ("none", "nf4", "nf4-dq")
 ATTENTIONS = ("sdpa", "eager")
 LOOPS = ("trainer", "keep-outputs", "outputs-until-step")
 SHARDS = ("none", "zero1", "zero2", "zero3")  # lesson 6, `course_lib.planner.parallel.sharded`
 FSDP_WRAPPINGS = ("blocks", "torchtitan")
-FSDP_WRAP_FROM = ("cpu", "cpu-broadcast")  # Setup.fsdp_wrap_from, `course_lib.planner.parallel.fsdp_wrap`  # lesson 6, `course_lib.sharding.engines.fsdp_units`
+FSDP_WRAP_FROM = (
+    "cpu",
+    "cpu-broadcast",
+)  # Setup.fsdp_wrap_from, `course_lib.planner.parallel.fsdp_wrap`  # lesson 6, `course_lib.sharding.engines.fsdp_units`
 FSDP_VERSIONS = (1, 2)  # accelerate's FSDP1 (FullyShardedDataParallel) and FSDP2 (fully_shard)
-CATEGORIES = ("weights", "gradients", "optimizer_state", "master_weights", "quantization", "activations",
-              "optimizer_temporaries", "overhead", "total")
+CATEGORIES = (
+    "weights",
+    "gradients",
+    "optimizer_state",
+    "master_weights",
+    "quantization",
+    "activations",
+    "optimizer_temporaries",
+    "overhead",
+    "total",
+)
 DEFAULT_LORA_RANK = 16
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -134,7 +164,9 @@ class Setup:
                 pass
         # one module name is one target (never its characters); a list becomes a tuple (hashable)
         if self.lora_targets != "all-linear" and isinstance(self.lora_targets, (str, list)):
-            object.__setattr__(self, "lora_targets", validate.strings("lora_targets", self.lora_targets, error=PlanError))
+            object.__setattr__(
+                self, "lora_targets", validate.strings("lora_targets", self.lora_targets, error=PlanError)
+            )
 
     def validate(self) -> Setup:
         """The setup itself, or PlanError naming the bad value."""
@@ -144,24 +176,33 @@ class Setup:
         if self.lora_targets != "all-linear":
             validate.strings("lora_targets", self.lora_targets, error=PlanError)
         if self.prepare_kbit and self.lora_rank == 0:
-            raise PlanError("prepare_kbit with a full fine-tune (lora_rank 0): peft's prepare_model_for_kbit_training "
-                            "freezes every parameter, so nothing would train; give lora_rank R > 0, or prepare_kbit=False")
-        for value, options, what in ((self.precision, PRECISIONS, "precision"),
-                                     (self.optimizer, OPTIMIZERS, "optimizer"),
-                                     (self.quant, QUANTS, "quant"), (self.attention, ATTENTIONS, "attention"),
-                                     (self.loop, LOOPS, "loop")):
+            raise PlanError(
+                "prepare_kbit with a full fine-tune (lora_rank 0): peft's prepare_model_for_kbit_training "
+                "freezes every parameter, so nothing would train; give lora_rank R > 0, or prepare_kbit=False"
+            )
+        for value, options, what in (
+            (self.precision, PRECISIONS, "precision"),
+            (self.optimizer, OPTIMIZERS, "optimizer"),
+            (self.quant, QUANTS, "quant"),
+            (self.attention, ATTENTIONS, "attention"),
+            (self.loop, LOOPS, "loop"),
+        ):
             validate.choice(what, value, options, error=PlanError)
         for value, what in ((self.batch, "batch"), (self.seq, "seq"), (self.accum, "accum")):
             validate.positive_int(what, value, error=PlanError)
         if self.batch * self.seq > INDEX_MAX:
-            raise PlanError(f"batch {self.batch:,} x seq {self.seq:,} tokens: more than a tensor can hold "
-                            f"({INDEX_MAX:,} elements, torch's int64 sizes)")
+            raise PlanError(
+                f"batch {self.batch:,} x seq {self.seq:,} tokens: more than a tensor can hold "
+                f"({INDEX_MAX:,} elements, torch's int64 sizes)"
+            )
         validate.non_negative_int("lora_rank (0: no LoRA)", self.lora_rank, error=PlanError)
         if self.adam_state not in (None, "fp32"):
             raise PlanError(f"adam_state must be None (the parameter's dtype) or 'fp32', got {self.adam_state!r}")
         if self.quant != "none" and self.lora_rank == 0:
-            raise PlanError(f"--quant {self.quant} freezes the base model: train adapters with --lora-rank R "
-                            "(QLoRA); a 4-bit base cannot be fine-tuned directly")
+            raise PlanError(
+                f"--quant {self.quant} freezes the base model: train adapters with --lora-rank R "
+                "(QLoRA); a 4-bit base cannot be fine-tuned directly"
+            )
         if self.lora_rank == 0 and self.lora_targets != "all-linear":
             raise PlanError(f"lora_targets {self.lora_targets!r} without a LoRA rank: give lora_rank R > 0")
         validate.probability("lora_dropout", self.lora_dropout, below_one=True, error=PlanError)
@@ -169,18 +210,26 @@ class Setup:
         if self.lora_rank == 0 and self.lora_dropout:
             raise PlanError(f"lora dropout {self.lora_dropout} without a LoRA rank: give lora_rank R > 0")
         if self.adam_state is not None and self.optimizer not in ("adamw", "adamw_fused", "momentum", "adafactor"):
-            raise PlanError(f"adam_state applies to torch's adamw, adamw_fused, momentum and adafactor, not {self.optimizer!r} "
-                            "(sgd keeps no state; bitsandbytes' optimizers choose their own)")
+            raise PlanError(
+                f"adam_state applies to torch's adamw, adamw_fused, momentum and adafactor, not {self.optimizer!r} "
+                "(sgd keeps no state; bitsandbytes' optimizers choose their own)"
+            )
         if self.quant != "none" and self.precision.startswith("mixed"):
-            raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
-                            f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)")
+            raise PlanError(
+                f"--quant {self.quant} with --precision {self.precision}: a 4-bit base has no fp32 "
+                f"master weights; use --precision {self.precision.split('-')[1]} (the compute dtype)"
+            )
         if self.quant != "none" and self.autocast_dtype is not None:
-            raise PlanError(f"--quant {self.quant} with --precision {self.precision}: a 4-bit base is planned in its "
-                            f"compute dtype; use --precision {self.precision.split('-')[1]}")
+            raise PlanError(
+                f"--quant {self.quant} with --precision {self.precision}: a 4-bit base is planned in its "
+                f"compute dtype; use --precision {self.precision.split('-')[1]}"
+            )
 
         if self.fp32_main_grads and (self.gpus is not None or self.optimizer_in_backward):
-            raise PlanError(f"--precision {self.precision} (Megatron Core's main gradients) is planned on one GPU "
-                            "with the step after backward: no --gpus, no optimizer_in_backward")
+            raise PlanError(
+                f"--precision {self.precision} (Megatron Core's main gradients) is planned on one GPU "
+                "with the step after backward: no --gpus, no optimizer_in_backward"
+            )
         _validate_sharding(self)
         _validate_wrap(self)
         try:
@@ -193,8 +242,11 @@ class Setup:
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype of the model's weights as stored on the device (the compute dtype for QLoRA)."""
-        return torch.float32 if self.autocast_dtype is not None \
+        return (
+            torch.float32
+            if self.autocast_dtype is not None
             else _DTYPES[self.precision.split("-")[self.precision.startswith("mixed")]]
+        )
 
     @property
     def compute_name(self) -> str:
@@ -221,33 +273,52 @@ def _validate_sharding(setup: Setup) -> None:
     if setup.shard != "none" and setup.gpus is None:
         raise PlanError(f"--shard {setup.shard} needs --gpus N: how many GPUs share the model states")
     if setup.gpus is not None and setup.autocast_dtype is not None:
-        raise PlanError(f"--precision {setup.precision} with --gpus {setup.gpus}: data parallelism and sharding "
-                        "are planned for the master-copy recipe (mixed-bf16, mixed-fp16) and pure precisions; "
-                        "plan autocast on one GPU (no --gpus)")
+        raise PlanError(
+            f"--precision {setup.precision} with --gpus {setup.gpus}: data parallelism and sharding "
+            "are planned for the master-copy recipe (mixed-bf16, mixed-fp16) and pure precisions; "
+            "plan autocast on one GPU (no --gpus)"
+        )
     validate.choice("FSDP wrapping", setup.fsdp_wrapping, FSDP_WRAPPINGS, error=PlanError)
     if setup.fsdp_reduce_dtype not in (None, "fp32"):
-        raise PlanError(f"fsdp_reduce_dtype must be None (the compute dtype) or 'fp32', got {setup.fsdp_reduce_dtype!r}")
+        raise PlanError(
+            f"fsdp_reduce_dtype must be None (the compute dtype) or 'fp32', got {setup.fsdp_reduce_dtype!r}"
+        )
     validate.strict_bool("fsdp_reshard_root", setup.fsdp_reshard_root, error=PlanError)
     if setup.fsdp_version not in FSDP_VERSIONS or isinstance(setup.fsdp_version, bool):
         raise PlanError(f"fsdp_version must be 1 (accelerate's FSDP1) or 2 (FSDP2), got {setup.fsdp_version!r}")
-    if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root, setup.fsdp_version) \
-            != ("blocks", None, True, 2) and setup.shard not in ("zero2", "zero3"):
+    if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root, setup.fsdp_version) != (
+        "blocks",
+        None,
+        True,
+        2,
+    ) and setup.shard not in ("zero2", "zero3"):
         raise PlanError(f"the --fsdp-* options configure FSDP: they need --shard zero2 or zero3, not {setup.shard}")
     validate.strict_bool("fsdp_backward_prefetch", setup.fsdp_backward_prefetch, error=PlanError)
     if setup.fsdp_backward_prefetch and setup.fsdp_version != 1:
-        raise PlanError("--fsdp-backward-prefetch configures FSDP1 (FSDP2 always prefetches the next layer in "
-                        "backward): add --fsdp-version 1 --shard zero2 or zero3, or leave it out")
-    if setup.fsdp_version == 1 and (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) \
-            != ("blocks", None, True):
-        raise PlanError("--fsdp-wrapping, --fsdp-reduce-dtype and --fsdp-keep-root-gathered configure FSDP2: "
-                        "FSDP1 is planned as accelerate runs it (each layer a unit, the root kept gathered)")
+        raise PlanError(
+            "--fsdp-backward-prefetch configures FSDP1 (FSDP2 always prefetches the next layer in "
+            "backward): add --fsdp-version 1 --shard zero2 or zero3, or leave it out"
+        )
+    if setup.fsdp_version == 1 and (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) != (
+        "blocks",
+        None,
+        True,
+    ):
+        raise PlanError(
+            "--fsdp-wrapping, --fsdp-reduce-dtype and --fsdp-keep-root-gathered configure FSDP2: "
+            "FSDP1 is planned as accelerate runs it (each layer a unit, the root kept gathered)"
+        )
     if setup.fsdp_version == 1 and setup.prepare_kbit:
-        raise PlanError("--fsdp-version 1 with prepare_kbit: FSDP1 flattens each unit into one parameter of one dtype "
-                        "(torch's _validate_tensors_to_flatten), and prepare_model_for_kbit_training's fp32 norms sit "
-                        "beside the 16-bit weights of each layer; plan FSDP2, or no prepare_kbit")
+        raise PlanError(
+            "--fsdp-version 1 with prepare_kbit: FSDP1 flattens each unit into one parameter of one dtype "
+            "(torch's _validate_tensors_to_flatten), and prepare_model_for_kbit_training's fp32 norms sit "
+            "beside the 16-bit weights of each layer; plan FSDP2, or no prepare_kbit"
+        )
     if setup.fsdp_version == 1 and setup.precision.startswith("mixed"):
-        raise PlanError(f"--fsdp-version 1 with --precision {setup.precision}: FSDP1's MixedPrecision (a 16-bit copy "
-                        "of each shard before its all-gather) is not modelled; plan fp32, bf16 or fp16, or FSDP2")
+        raise PlanError(
+            f"--fsdp-version 1 with --precision {setup.precision}: FSDP1's MixedPrecision (a 16-bit copy "
+            "of each shard before its all-gather) is not modelled; plan fp32, bf16 or fp16, or FSDP2"
+        )
 
 
 def _validate_wrap(setup: Setup) -> None:
@@ -256,8 +327,10 @@ def _validate_wrap(setup: Setup) -> None:
         return
     validate.choice("fsdp_wrap_from", setup.fsdp_wrap_from, FSDP_WRAP_FROM, error=PlanError)
     if (setup.gpus or 1) < 2 or setup.shard == "zero1" or (setup.shard != "none" and setup.fsdp_version != 1):
-        raise PlanError(f"--fsdp-wrap-from {setup.fsdp_wrap_from} is FSDP1's wrap: add --gpus N (N >= 2) with "
-                        "--fsdp-version 1 --shard zero2 or zero3, or --shard none for its NO_SHARD")
+        raise PlanError(
+            f"--fsdp-wrap-from {setup.fsdp_wrap_from} is FSDP1's wrap: add --gpus N (N >= 2) with "
+            "--fsdp-version 1 --shard zero2 or zero3, or --shard none for its NO_SHARD"
+        )
 
 
 def _validate_toolbox(setup: Setup) -> None:
@@ -266,28 +339,40 @@ def _validate_toolbox(setup: Setup) -> None:
         validate.strict_bool(name, getattr(setup, name), error=PlanError)
     chunk = setup.chunked_loss
     if chunk is not None and setup.legacy_causal_lm_loss:
-        raise PlanError("chunked_loss with legacy_causal_lm_loss: the chunked loss replaces the model's own loss, "
-                        "whose transformers version the legacy option describes; choose one")
+        raise PlanError(
+            "chunked_loss with legacy_causal_lm_loss: the chunked loss replaces the model's own loss, "
+            "whose transformers version the legacy option describes; choose one"
+        )
     if chunk is not None:
         validate.positive_int("chunked_loss (tokens per chunk; None: the plain loss)", chunk, error=PlanError)
     if setup.optimizer_in_backward and setup.accum > 1:
-        raise PlanError(f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
-                        "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1")
+        raise PlanError(
+            f"optimizer_in_backward with accum {setup.accum}: each backward updates the weights and "
+            "frees the gradients, so there is nothing to accumulate into (lesson 7); use accum 1"
+        )
     if setup.optimizer_in_backward and setup.precision.endswith("fp16"):
-        raise PlanError(f"optimizer_in_backward with --precision {setup.precision}: fp16 trains under GradScaler, whose "
-                        "skip-on-overflow becomes a partial update when each parameter steps inside backward "
-                        "(lesson 7); use bf16, or step after backward")
+        raise PlanError(
+            f"optimizer_in_backward with --precision {setup.precision}: fp16 trains under GradScaler, whose "
+            "skip-on-overflow becomes a partial update when each parameter steps inside backward "
+            "(lesson 7); use bf16, or step after backward"
+        )
     if setup.optimizer_in_backward and setup.gpus is not None:
-        raise PlanError(f"optimizer_in_backward with --gpus {setup.gpus}: under DDP a post-accumulate-grad hook steps "
-                        "on the local, unaveraged gradient (torch's _apply_optimizer_in_backward moves the step into "
-                        "a comm hook); the planner does not model it: plan one GPU (lesson 7)")
+        raise PlanError(
+            f"optimizer_in_backward with --gpus {setup.gpus}: under DDP a post-accumulate-grad hook steps "
+            "on the local, unaveraged gradient (torch's _apply_optimizer_in_backward moves the step into "
+            "a comm hook); the planner does not model it: plan one GPU (lesson 7)"
+        )
     used = [name for name in ("optimizer_in_backward", "chunked_loss", "offload_activations") if getattr(setup, name)]
     if used and setup.gpus is not None:
-        raise PlanError(f"{used[0]} with --gpus {setup.gpus}: the planner does not model lesson 7's tricks under "
-                        "data parallelism or sharding; plan one GPU")
+        raise PlanError(
+            f"{used[0]} with --gpus {setup.gpus}: the planner does not model lesson 7's tricks under "
+            "data parallelism or sharding; plan one GPU"
+        )
     if setup.offload_activations and setup.checkpointing != "none":
-        raise PlanError("offload_activations with checkpointing: the planner models one of them at a time "
-                        "(transformers' activation_checkpointing_enable(offload=True) is not modelled)")
+        raise PlanError(
+            "offload_activations with checkpointing: the planner models one of them at a time "
+            "(transformers' activation_checkpointing_enable(offload=True) is not modelled)"
+        )
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -58,10 +58,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from course_lib.measure import format_bytes
-from course_lib.planner.phases.activations import checkpointing_changes, layers_backward_peak, previous_outputs
-from course_lib.planner.config.setup import Setup, itemsize
-from course_lib.planner.states.model_states import ModelStates, nf4_bytes, target_match
 from course_lib.models import ModelSpec, ParamInfo
+from course_lib.planner.config.setup import Setup, itemsize
+from course_lib.planner.phases.activations import checkpointing_changes, layers_backward_peak, previous_outputs
+from course_lib.planner.states.model_states import ModelStates, nf4_bytes, target_match
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,9 @@ class FSDPGroups:
     head_side: float
 
 
-def layer_and_root_numels(spec: ModelSpec, size: Callable[[ParamInfo], float] = lambda info: info.numel
-                          ) -> tuple[list[float], float]:
+def layer_and_root_numels(
+    spec: ModelSpec, size: Callable[[ParamInfo], float] = lambda info: info.numel
+) -> tuple[list[float], float]:
     """Parameters of each decoder layer (an FSDP2 group each) and of the rest; `size`: what one
     parameter counts (its elements by default; `unit_sizes` gives its bytes)."""
     layers: dict[int, float] = {}
@@ -91,8 +92,9 @@ def layer_and_root_numels(spec: ModelSpec, size: Callable[[ParamInfo], float] = 
     return list(layers.values()), root
 
 
-def fsdp_groups(spec: ModelSpec, wrapping: str, size: Callable[[ParamInfo], float] = lambda info: info.numel
-                ) -> FSDPGroups:
+def fsdp_groups(
+    spec: ModelSpec, wrapping: str, size: Callable[[ParamInfo], float] = lambda info: info.numel
+) -> FSDPGroups:
     """The groups `course_lib.sharding.engines.fsdp_units` makes: "blocks" leaves everything outside
     the layers to the root; "torchtitan" gives the input embeddings (the first embedding outside the
     layers) and the rest their own groups, and leaves tied embeddings (also the output layer) to the root.
@@ -110,8 +112,10 @@ def fsdp_groups(spec: ModelSpec, wrapping: str, size: Callable[[ParamInfo], floa
 
 def fsdp_fraction(spec: ModelSpec, n: int) -> float:
     """The fraction of the parameters rank 0 holds under FSDP2: dim 0 cut in N chunks, padded."""
-    local = sum(math.ceil(info.shape[0] / n) * info.numel // max(info.shape[0], 1) if info.shape else info.numel
-                for info in spec.params)
+    local = sum(
+        math.ceil(info.shape[0] / n) * info.numel // max(info.shape[0], 1) if info.shape else info.numel
+        for info in spec.params
+    )
     return local / spec.n_params
 
 
@@ -129,6 +133,7 @@ def unit_sizes(spec: ModelSpec, setup: Setup, values: dict) -> tuple[Callable, C
         per_param = (values["weights"] + values["quantization"]) / spec.n_params
         grad_ratio = values["gradients"] / max(values["weights"] + values["quantization"], 1)
         return (lambda info: info.numel * per_param), (lambda info: info.numel * per_param * grad_ratio)
+
     def adapters(info: ParamInfo) -> int:
         return setup.lora_rank * sum(info.shape) if target_match(info, setup.lora_targets) else 0
 
@@ -153,8 +158,9 @@ def unshard_pool_extra(totals: dict[str, float], gathered: dict[str, float]) -> 
     return max(0.0, rest + max(gathered.values()) - max(totals.values()))
 
 
-def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: ModelStates,
-                step_temporaries: int) -> tuple[dict, dict, str]:
+def fsdp_values(
+    spec: ModelSpec, setup: Setup, values: dict, trace, states: ModelStates, step_temporaries: int
+) -> tuple[dict, dict, str]:
     """One rank's bytes by category under zero2/zero3 (the peak phase's), the details, and a note."""
     stage, zero3 = setup.shard, setup.shard == "zero3"
     out = dict(values)
@@ -225,80 +231,132 @@ def fsdp_values(spec: ModelSpec, setup: Setup, values: dict, trace, states: Mode
     first_layer = not accumulated and layer_shards * (1 - share) > above
     # each phase as (activations, gradient shards, engine buffers) over the sharded weights and states
     # the gathered parameters by phase (FSDP1 gathers them under its own stream: `unshard_pool_extra`)
-    gathered = {"forward": always + (head if zero3 else 0), "head backward": always + (head if zero3 else 0) + ahead,
-                "layers backward": always + running + ahead + (head_input if zero3 else 0),
-                "tail backward": always + (embeddings if zero3 else 0), "backward start": always + regather + ahead,
-                "final reduce-scatter": 0, "optimizer step": 0}
+    gathered = {
+        "forward": always + (head if zero3 else 0),
+        "head backward": always + (head if zero3 else 0) + ahead,
+        "layers backward": always + running + ahead + (head_input if zero3 else 0),
+        "tail backward": always + (embeddings if zero3 else 0),
+        "backward start": always + regather + ahead,
+        "final reduce-scatter": 0,
+        "optimizer step": 0,
+    }
     phases = {
         # the output layer and the loss (the head group gathered), one layer's flat all-gather buffer still held
-        "forward": (batch + trace.forward_peak_without_grads + dequant + held + previous_outputs(trace, setup),
-                    accumulated,
-                    gathered["forward"] + (largest if fsdp2 else 0)),
+        "forward": (
+            batch + trace.forward_peak_without_grads + dequant + held + previous_outputs(trace, setup),
+            accumulated,
+            gathered["forward"] + (largest if fsdp2 else 0),
+        ),
         # backward at the output layer: the last layer prefetched (zero3); the trace with gradients holds
         # just the head's (the output layer's as a temporary until it is accumulated)
-        "head backward": (batch + max(0, trace.head_backward_peak - trace_head_grads) + dequant + held, accumulated,
-                          gathered["head backward"] + trace_head_grads),
+        "head backward": (
+            batch + max(0, trace.head_backward_peak - trace_head_grads) + dequant + held,
+            accumulated,
+            gathered["head backward"] + trace_head_grads,
+        ),
         # in the layers: the layer running and the next one prefetched (zero3), its unsharded gradients; the
         # last layer (first in backward) holds every layer's activations and no reduced gradients, the first
         # layer the reduced shards of all the others
-        "layers backward": (batch + layers_peak + dequant - (above if first_layer else 0),
-                            max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
-                            gathered["layers backward"] + largest_grads + held_head_grads),
+        "layers backward": (
+            batch + layers_peak + dequant - (above if first_layer else 0),
+            max(accumulated, layer_shards * (1 - share) * first_layer + head_shards),
+            gathered["layers backward"] + largest_grads + held_head_grads,
+        ),
         # the embeddings' backward: every layer reduced (a group's reduce-scatter input still held: measured
         # on gloo, torchtitan's head group's is),
         # the embeddings regathered (zero3, torchtitan) and the gradients reduce-scattered last unsharded
         # (the trace counts the embeddings' new gradient as a temporary until it is accumulated)
-        "tail backward": (batch + max(0, trace.tail_backward_peak_without_grads - (trace_root_grads - trace_head_grads)),
-                          max(accumulated, layer_shards + head_shards),
-                          gathered["tail backward"] + tail_grads + reduce_input),
-        "backward start": (batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs, accumulated,
-                           gathered["backward start"]),
+        "tail backward": (
+            batch + max(0, trace.tail_backward_peak_without_grads - (trace_root_grads - trace_head_grads)),
+            max(accumulated, layer_shards + head_shards),
+            gathered["tail backward"] + tail_grads + reduce_input,
+        ),
+        "backward start": (
+            batch + chosen.forward_bytes + trace.saved_outside + trace.kept_outputs,
+            accumulated,
+            gathered["backward start"],
+        ),
         # the last reduce-scatter, every other group reduced and resharded, no activation left
-        "final reduce-scatter": (batch + trace.kept_outputs, max(accumulated, layer_shards + head_shards) + new_shard,
-                                 gathered["final reduce-scatter"] + last * (1 + to_reduce)),
+        "final reduce-scatter": (
+            batch + trace.kept_outputs,
+            max(accumulated, layer_shards + head_shards) + new_shard,
+            gathered["final reduce-scatter"] + last * (1 + to_reduce),
+        ),
         # AdamW's step on the shards: its temporaries scale with them
         "optimizer step": (batch + trace.kept_outputs, gradient_shards, gathered["optimizer step"]),
     }
     temporaries = round(step_temporaries * fraction)
-    totals = {name: a + gs + b + (temporaries if name == "optimizer step" else 0)
-              for name, (a, gs, b) in phases.items()}
+    totals = {
+        name: a + gs + b + (temporaries if name == "optimizer step" else 0) for name, (a, gs, b) in phases.items()
+    }
     phase = max(totals, key=totals.get)
     activations, grad_shards, buffers = phases[phase]
     pools = 0 if fsdp2 else unshard_pool_extra(totals, gathered)
     out["activations"], out["gradients"] = round(activations), round(grad_shards)
     out["sharding_buffers"] = round(buffers)
     out["optimizer_temporaries"] = temporaries if phase == "optimizer step" else 0
-    detail = dict(engine_model_states=model_states - out["quantization"] + gradient_shards,
-                  peak_phase=phase, forward_peak=round(model_states + totals["forward"]),
-                  backward_peak=round(model_states + max(totals[p] for p in phases
-                                                         if p not in ("forward", "optimizer step"))),
-                  optimizer_step_peak=round(model_states + totals["optimizer step"]),
-                  gradient_shards=gradient_shards, root_params=round(g.root), stream_pools_extra=round(pools),
-                  activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
-                  buffers_by_phase={p: round(b) for p, (_, _, b) in phases.items()},
-                  on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")))
-    held_layers = "every group stays gathered from its forward to its backward" if not zero3 else \
-        f"{'two layers' if ahead else 'one layer'} gathered at a time in backward, one layer of unsharded " \
-        "gradients, a group's reduce-scatter input at the tail" + ("; overlapping at backward start: the root's " \
-        "flat all-gather buffer (gloo still holds it), its unsharded parameters and the last layer's all-gather, " \
-        "prefetched" if regather else "")
+    detail = dict(
+        engine_model_states=model_states - out["quantization"] + gradient_shards,
+        peak_phase=phase,
+        forward_peak=round(model_states + totals["forward"]),
+        backward_peak=round(model_states + max(totals[p] for p in phases if p not in ("forward", "optimizer step"))),
+        optimizer_step_peak=round(model_states + totals["optimizer step"]),
+        gradient_shards=gradient_shards,
+        root_params=round(g.root),
+        stream_pools_extra=round(pools),
+        activations_by_phase={p: round(a) for p, (a, _, _) in phases.items()},
+        buffers_by_phase={p: round(b) for p, (_, _, b) in phases.items()},
+        on_gpu_under_offload=round(max(totals[p] - phases[p][1] for p in phases if p != "optimizer step")),
+    )
+    held_layers = (
+        "every group stays gathered from its forward to its backward"
+        if not zero3
+        else f"{'two layers' if ahead else 'one layer'} gathered at a time in backward, one layer of unsharded "
+        "gradients, a group's reduce-scatter input at the tail"
+        + (
+            "; overlapping at backward start: the root's "
+            "flat all-gather buffer (gloo still holds it), its unsharded parameters and the last layer's all-gather, "
+            "prefetched"
+            if regather
+            else ""
+        )
+    )
     wrapping = "each layer and the root" if blocks else "torchtitan's: embeddings, each layer, [norm, output], the root"
     prefetch = "BACKWARD_PRE prefetch" if setup.fsdp_backward_prefetch else "no backward prefetch (accelerate's)"
-    engine = "FSDP2" if fsdp2 else (f"FSDP1: FullyShardedDataParallel, {'FULL_SHARD' if zero3 else 'SHARD_GRAD_OP'}, "
-                                    f"{prefetch}, the root kept gathered"
-                                    + (", each adapter a unit (the Trainer's peft wrap)" if setup.lora_rank else ""))
-    note = (f"sharding {stage} ({engine}{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 and fsdp2 else ''}; "
-            f"wrapping {wrapping}): an upper bound, the most {engine[:5]}'s schedule lets be alive at once (a measured "
-            f"peak moves from run to run below it): root parameters {format_bytes(root)} gathered throughout, one "
-            f"layer {format_bytes(largest)}; {held_layers}; the peak: {phase}, whose categories are shown "
-            "(gradients: the shards live then)"
-            + ("; mixed precision: MixedPrecisionPolicy(param_dtype=16-bit) on an fp32 model, whose fp32 shards "
-               "are the master weights (weights row)" if setup.precision.startswith("mixed") else "")
-            + (f"; a 4-bit base (bnb_4bit_quant_storage={setup.precision}, the compute dtype, so that FSDP can "
-               f"shard it): the packed weights sharded and gathered a layer at a time, each rank keeping all the "
-               f"quant_state ({format_bytes(out['quantization'])}: no parameter), only the adapters' gradients "
-               "reduce-scattered" if setup.quant != "none" else "")
-            + (f"; with accum {setup.accum} each micro-batch is reduce-scattered (FSDP2's default) and every "
-               f"gradient shard ({format_bytes(gradient_shards)}) is held from the first micro-batch to the step"
-               if accumulated else ""))
+    engine = (
+        "FSDP2"
+        if fsdp2
+        else (
+            f"FSDP1: FullyShardedDataParallel, {'FULL_SHARD' if zero3 else 'SHARD_GRAD_OP'}, "
+            f"{prefetch}, the root kept gathered"
+            + (", each adapter a unit (the Trainer's peft wrap)" if setup.lora_rank else "")
+        )
+    )
+    note = (
+        f"sharding {stage} ({engine}{', a stand-in for ZeRO-2: reshard_after_forward=False' if not zero3 and fsdp2 else ''}; "
+        f"wrapping {wrapping}): an upper bound, the most {engine[:5]}'s schedule lets be alive at once (a measured "
+        f"peak moves from run to run below it): root parameters {format_bytes(root)} gathered throughout, one "
+        f"layer {format_bytes(largest)}; {held_layers}; the peak: {phase}, whose categories are shown "
+        "(gradients: the shards live then)"
+        + (
+            "; mixed precision: MixedPrecisionPolicy(param_dtype=16-bit) on an fp32 model, whose fp32 shards "
+            "are the master weights (weights row)"
+            if setup.precision.startswith("mixed")
+            else ""
+        )
+        + (
+            f"; a 4-bit base (bnb_4bit_quant_storage={setup.precision}, the compute dtype, so that FSDP can "
+            f"shard it): the packed weights sharded and gathered a layer at a time, each rank keeping all the "
+            f"quant_state ({format_bytes(out['quantization'])}: no parameter), only the adapters' gradients "
+            "reduce-scattered"
+            if setup.quant != "none"
+            else ""
+        )
+        + (
+            f"; with accum {setup.accum} each micro-batch is reduce-scattered (FSDP2's default) and every "
+            f"gradient shard ({format_bytes(gradient_shards)}) is held from the first micro-batch to the step"
+            if accumulated
+            else ""
+        )
+    )
     return out, detail, note

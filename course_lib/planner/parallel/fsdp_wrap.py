@@ -28,13 +28,13 @@ import math
 
 from course_lib.cache import cached_answer
 from course_lib.caching_allocator import concatenated, replay
-from course_lib.planner.trace.checkpointed import planned_stream
-from course_lib.planner.parallel.fsdp import stored_bytes
+from course_lib.models import ModelSpec
 from course_lib.planner.allocator.reserved import two_steps
 from course_lib.planner.config.setup import Setup, itemsize
+from course_lib.planner.parallel.fsdp import stored_bytes
 from course_lib.planner.states.model_states import target_match
+from course_lib.planner.trace.checkpointed import planned_stream
 from course_lib.planner.trace.step import _trace_key
-from course_lib.models import ModelSpec
 
 PARAM_BROADCAST_BUCKET_SIZE = 250 * 1024 * 1024  # torch.distributed.fsdp._init_utils
 BROADCASTS_IN_FLIGHT = 2  # torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced: max_in_flight
@@ -82,8 +82,7 @@ def quant_state_sizes(spec: ModelSpec, setup: Setup) -> list[int]:
     for info in spec.params:
         if info.module == "linear" and not info.is_lm_head and info.name.endswith(".weight"):
             blocks = math.ceil(info.numel / 64)
-            sizes += [blocks, 16 * 4] + ([4, math.ceil(blocks / 256) * 4, 256 * 4]
-                                         if setup.quant == "nf4-dq" else [])
+            sizes += [blocks, 16 * 4] + ([4, math.ceil(blocks / 256) * 4, 256 * 4] if setup.quant == "nf4-dq" else [])
     return sizes
 
 
@@ -147,8 +146,9 @@ def _buckets(unit: list[int]) -> list[list[int]]:
     return buckets + ([current] if current else [])
 
 
-def residue_extra(wrap: list[int], kept: list[int], step: list[int], states: list[int],
-                  empty_cache: bool = False) -> int:
+def residue_extra(
+    wrap: list[int], kept: list[int], step: list[int], states: list[int], empty_cache: bool = False
+) -> int:
     """What the wrap's cache adds to the reserve of the steps after it (negative where the steps' blocks
     fit in it): the wrap, the optimizer's state, the step twice (`reserved.two_steps`) replayed on one
     allocator, less the wrap's kept bytes with the state and the two steps each replayed on their own (what
@@ -161,11 +161,25 @@ def residue_extra(wrap: list[int], kept: list[int], step: list[int], states: lis
 def wrap_extra(spec: ModelSpec, setup: Setup, states: list[int], target: str = "cuda") -> int:
     """`residue_extra` of the planned step after FSDP1's wrap from the CPU (`setup.fsdp_wrap_from`), on
     rank 0: the checkpointed step's stream under a checkpointing plan, else the plain step's. Predicted."""
-    key = (*_trace_key(spec, setup, target), "fsdp-wrap", setup.fsdp_wrap_from, setup.shard, setup.gpus,
-           setup.quant, setup.checkpointing, setup.empty_cache_each_step, tuple(states))
+    key = (
+        *_trace_key(spec, setup, target),
+        "fsdp-wrap",
+        setup.fsdp_wrap_from,
+        setup.shard,
+        setup.gpus,
+        setup.quant,
+        setup.checkpointing,
+        setup.empty_cache_each_step,
+        tuple(states),
+    )
 
-    return cached_answer("wrap", repr(key), lambda: residue_extra(
-        *wrap_stream(spec, setup), planned_stream(spec, setup, target), states, setup.empty_cache_each_step))
+    return cached_answer(
+        "wrap",
+        repr(key),
+        lambda: residue_extra(
+            *wrap_stream(spec, setup), planned_stream(spec, setup, target), states, setup.empty_cache_each_step
+        ),
+    )
 
 
 def after_wrap(spec: ModelSpec, setup: Setup) -> tuple[int, int]:

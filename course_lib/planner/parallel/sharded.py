@@ -29,15 +29,18 @@ from __future__ import annotations
 import math
 
 from course_lib.measure import format_bytes
-from course_lib.planner.parallel.fsdp import fsdp_values
-from course_lib.planner.config.setup import PlanError, Setup, itemsize
-from course_lib.planner.states.model_states import ModelStates, optimizer_step_extra
 from course_lib.models import ModelSpec
+from course_lib.planner.config.setup import PlanError, Setup, itemsize
+from course_lib.planner.parallel.fsdp import fsdp_values
+from course_lib.planner.states.model_states import ModelStates, optimizer_step_extra
 
 # what each stage divides by N, as the paper counts it
-PARTITIONED = {"none": (), "zero1": ("optimizer_state", "master_weights"),
-               "zero2": ("optimizer_state", "master_weights", "gradients"),
-               "zero3": ("optimizer_state", "master_weights", "gradients", "weights")}
+PARTITIONED = {
+    "none": (),
+    "zero1": ("optimizer_state", "master_weights"),
+    "zero2": ("optimizer_state", "master_weights", "gradients"),
+    "zero3": ("optimizer_state", "master_weights", "gradients", "weights"),
+}
 
 
 def zero1_partition(shapes: list[tuple[int, ...]], n: int) -> list[list[tuple[int, ...]]]:
@@ -58,8 +61,15 @@ def zero1_partition_indices(shapes: list[tuple[int, ...]], n: int) -> list[list[
     return parts
 
 
-def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=None, states: ModelStates | None = None,
-                   step_temporaries: int = 0, cuda: bool = False) -> tuple[dict, dict, list[str]]:
+def sharded_values(
+    spec: ModelSpec | None,
+    setup: Setup,
+    values: dict,
+    trace=None,
+    states: ModelStates | None = None,
+    step_temporaries: int = 0,
+    cuda: bool = False,
+) -> tuple[dict, dict, list[str]]:
     """One rank's bytes by category for `setup.gpus` GPUs at stage `setup.shard` (lesson 6).
 
     `values`: the single-GPU plan's bytes; `trace`: its meta-device trace (None with --params only);
@@ -67,16 +77,20 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     `step_temporaries`: what one GPU's optimizer step allocates over the model states; `cuda`: a GPU target."""
     n, stage = setup.gpus, setup.shard
     out = dict(values)
-    paper = sum(math.ceil(values[c] / n) if c in PARTITIONED[stage] else values[c]
-                for c in ("weights", "gradients", "optimizer_state", "master_weights"))
+    paper = sum(
+        math.ceil(values[c] / n) if c in PARTITIONED[stage] else values[c]
+        for c in ("weights", "gradients", "optimizer_state", "master_weights")
+    )
     detail: dict = {"gpus": n, "shard": stage, "paper_model_states": paper}
     notes = []
     if spec is None:  # the paper's arithmetic: model states only
         for category in PARTITIONED[stage]:
             out[category] = math.ceil(values[category] / n)
         out["sharding_buffers"] = 0
-        notes.append("sharding: model states only (the ZeRO paper's arithmetic); name a model for the buffers "
-                     "the engines add and for activations")
+        notes.append(
+            "sharding: model states only (the ZeRO paper's arithmetic); name a model for the buffers "
+            "the engines add and for activations"
+        )
         return _with_total(out), detail, notes
 
     if stage in ("none", "zero1"):
@@ -84,12 +98,15 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
         out["sharding_buffers"] = buckets
         if stage == "zero1":
             _zero1_local(setup, values, out, detail, states, step_temporaries, cuda)
-            notes.append("sharding zero1 (ZeroRedundancyOptimizer): each rank steps a local optimizer over its "
-                         f"partition ({detail['zero1_rank_shares'][detail['zero1_rank']]:.1%} of the trained "
-                         "elements on the rank planned, the largest), so its state and the step's temporaries "
-                         f"are local: {format_bytes(detail['zero1_step_temporaries'])} of temporaries")
-        notes.append(f"sharding {stage}: DDP's gradient buckets ({format_bytes(buckets)}) are a second copy of the "
-                     "gradients")
+            notes.append(
+                "sharding zero1 (ZeroRedundancyOptimizer): each rank steps a local optimizer over its "
+                f"partition ({detail['zero1_rank_shares'][detail['zero1_rank']]:.1%} of the trained "
+                "elements on the rank planned, the largest), so its state and the step's temporaries "
+                f"are local: {format_bytes(detail['zero1_step_temporaries'])} of temporaries"
+            )
+        notes.append(
+            f"sharding {stage}: DDP's gradient buckets ({format_bytes(buckets)}) are a second copy of the gradients"
+        )
         return _with_total(out), detail, notes
 
     values, fsdp_detail, note = fsdp_values(spec, setup, values, trace, states, step_temporaries)
@@ -98,8 +115,9 @@ def sharded_values(spec: ModelSpec | None, setup: Setup, values: dict, trace=Non
     return _with_total(values), detail, notes
 
 
-def _zero1_local(setup: Setup, values: dict, out: dict, detail: dict, states: ModelStates,
-                 step_temporaries: int, cuda: bool) -> None:
+def _zero1_local(
+    setup: Setup, values: dict, out: dict, detail: dict, states: ModelStates, step_temporaries: int, cuda: bool
+) -> None:
     """zero1's rank with the largest partition: its optimizer state, master weights and step temporaries.
     ZeroRedundancyOptimizer steps a local optimizer built over this rank's partition only
     (`_partition_parameters()[rank]`), so a foreach AdamW's sqrt(v) is that partition's, not the model's."""
@@ -110,13 +128,20 @@ def _zero1_local(setup: Setup, values: dict, out: dict, detail: dict, states: Mo
     share = sizes[rank] / sum(sizes)
     for category in ("optimizer_state", "master_weights"):
         out[category] = round(values[category] * share)
-    local = optimizer_step_extra(setup.optimizer, [shapes[i] for i in parts[rank]], states.state_itemsize,
-                                 states.grad_itemsize, cuda, setup.precision.startswith("mixed"),
-                                 [flags[i] for i in parts[rank]])
+    local = optimizer_step_extra(
+        setup.optimizer,
+        [shapes[i] for i in parts[rank]],
+        states.state_itemsize,
+        states.grad_itemsize,
+        cuda,
+        setup.precision.startswith("mixed"),
+        [flags[i] for i in parts[rank]],
+    )
     # the temporaries over the activations' peak shrink by what the local step does not make
     out["optimizer_temporaries"] = max(0, values["optimizer_temporaries"] - (step_temporaries - local))
-    detail.update(zero1_rank_shares=[size / sum(sizes) for size in sizes], zero1_rank=rank,
-                  zero1_step_temporaries=local)
+    detail.update(
+        zero1_rank_shares=[size / sum(sizes) for size in sizes], zero1_rank=rank, zero1_step_temporaries=local
+    )
 
 
 def _with_total(out: dict) -> dict:
@@ -140,5 +165,8 @@ def offload_prediction(plan) -> dict[str, int]:
     # a root kept gathered from forward to backward (--fsdp-keep-root-gathered) is copied once, not twice
     root_once = 0 if plan.setup.fsdp_reshard_root else 4 * d.get("root_params", 0) // plan.setup.gpus
     # on the GPU: the forward and backward peaks less the shards (the step's temporaries are on the CPU)
-    return {"gpu": d.get("on_gpu_under_offload", 0) + b["overhead"], "cpu": shards,
-            "pcie_per_step": 2 * fp32_weights - root_once + fp32_grads}
+    return {
+        "gpu": d.get("on_gpu_under_offload", 0) + b["overhead"],
+        "cpu": shards,
+        "pcie_per_step": 2 * fp32_weights - root_once + fp32_grads,
+    }

@@ -8,17 +8,19 @@ import math
 import torch
 
 from course_lib import checkpointing, validate
+from course_lib.models import ModelSpec
 from course_lib.planner.config.setup import PlanError, Setup, itemsize
 from course_lib.planner.states.model_states import ModelStates, optimizer_step_extra
-from course_lib.models import ModelSpec
 
 
 def korthikanti_bytes(batch: int, seq: int, hidden: int, heads: int, layers: int) -> int:
     """Korthikanti et al. 2022: activations of a transformer, sbh(34 + 5as/h) bytes per layer
     (16-bit, with dropout masks, 4h MLP, no recompute). Shown beside the traced value, not trusted:
     real implementations store more or less (lesson 3)."""
-    batch, seq, hidden, heads, layers = (validate.positive_int(name, value, error=PlanError) for name, value in (
-        ("batch", batch), ("seq", seq), ("hidden", hidden), ("heads", heads), ("layers", layers)))
+    batch, seq, hidden, heads, layers = (
+        validate.positive_int(name, value, error=PlanError)
+        for name, value in (("batch", batch), ("seq", seq), ("hidden", hidden), ("heads", heads), ("layers", layers))
+    )
     return int(layers * seq * batch * hidden * (34 + 5 * heads * seq / hidden))
 
 
@@ -27,8 +29,9 @@ def checkpointing_changes(trace, setup: Setup):
     the bytes held through forward (<= 0))."""
     n = len(trace.saved)
     none = checkpointing.plan_cost(trace.saved, trace.inputs, [], output_bytes=trace.output)
-    chosen = checkpointing.plan_cost(trace.saved, trace.inputs, checkpointing.named_plan(n, setup.checkpointing),
-                                     output_bytes=trace.output)
+    chosen = checkpointing.plan_cost(
+        trace.saved, trace.inputs, checkpointing.named_plan(n, setup.checkpointing), output_bytes=trace.output
+    )
     return chosen, chosen.forward_bytes - none.forward_bytes
 
 
@@ -62,28 +65,47 @@ def step_phases(spec: ModelSpec, setup: Setup, states: ModelStates, trace, targe
     if setup.accum > 1:  # gradients of earlier micro-batches are live throughout; new ones are added in
         largest_grad = max(math.prod(s) for s in states.trainable_shapes) * states.grad_itemsize
         layers = layers_backward_peak(trace, segments, with_grads=False)
-        live = {"forward": (grads, trace.forward_peak_without_grads + held_change + cached + copies),
-                "head backward": (grads, trace.head_backward_peak_without_grads + held_change + largest_grad + copies),
-                "layers backward": (grads, layers + largest_grad),
-                "tail backward": (grads, trace.tail_backward_peak_without_grads + largest_grad - dequant)}
+        live = {
+            "forward": (grads, trace.forward_peak_without_grads + held_change + cached + copies),
+            "head backward": (grads, trace.head_backward_peak_without_grads + held_change + largest_grad + copies),
+            "layers backward": (grads, layers + largest_grad),
+            "tail backward": (grads, trace.tail_backward_peak_without_grads + largest_grad - dequant),
+        }
     else:
         layers, layer_grads = layers_backward_live(trace, segments)
         at = (trace.forward_peak_grads, trace.head_backward_peak_grads, layer_grads, trace.tail_backward_peak_grads)
-        peaks = (trace.forward_peak + held_change + cached + copies, trace.head_backward_peak + held_change + copies,
-                 layers, trace.tail_backward_peak - dequant)  # the tail: no 4-bit layer is left to run
+        peaks = (
+            trace.forward_peak + held_change + cached + copies,
+            trace.head_backward_peak + held_change + copies,
+            layers,
+            trace.tail_backward_peak - dequant,
+        )  # the tail: no 4-bit layer is left to run
         # the trace's gradients are the 16-bit ones the backward makes; Megatron keeps fp32 main gradients
         scale = states.gradients / trace.gradients if setup.fp32_main_grads and trace.gradients else 1
         live = {phase: (round(g * scale), peak - g) for phase, g, peak in zip(PHASES, at, peaks)}
-    phases = {phase: {"gradients": g, "activations": a + extra, "optimizer_temporaries": 0}
-              for phase, (g, a) in live.items()}
+    phases = {
+        phase: {"gradients": g, "activations": a + extra, "optimizer_temporaries": 0} for phase, (g, a) in live.items()
+    }
     phases["forward"]["activations"] += previous_outputs(trace, setup)
     # lesson 7's step in backward: no step after backward; the trace ran each update inside it
-    step_temporaries = 0 if setup.optimizer_in_backward else optimizer_step_extra(
-        setup.optimizer, states.trainable_shapes, states.state_itemsize, states.grad_itemsize, target == "cuda",
-        setup.precision.startswith("mixed") and not setup.fp32_main_grads,  # main gradients: already fp32
-        states.full_state)
-    phases["optimizer step"] = {"gradients": 0 if setup.optimizer_in_backward else grads,
-                                "activations": trace.kept_outputs + batch, "optimizer_temporaries": step_temporaries}
+    step_temporaries = (
+        0
+        if setup.optimizer_in_backward
+        else optimizer_step_extra(
+            setup.optimizer,
+            states.trainable_shapes,
+            states.state_itemsize,
+            states.grad_itemsize,
+            target == "cuda",
+            setup.precision.startswith("mixed") and not setup.fp32_main_grads,  # main gradients: already fp32
+            states.full_state,
+        )
+    )
+    phases["optimizer step"] = {
+        "gradients": 0 if setup.optimizer_in_backward else grads,
+        "activations": trace.kept_outputs + batch,
+        "optimizer_temporaries": step_temporaries,
+    }
     totals = {phase: sum(parts.values()) for phase, parts in phases.items()}
     config = spec.config
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
@@ -112,7 +134,7 @@ def layers_backward_live(trace, segments) -> tuple[int, int]:
         return trace.layer_backward_peak, trace.layer_backward_peak_grads
     cost = _layers_cost(trace, segments, with_grads=True)
     i = cost.peak_layer
-    made = trace.head_grads + (0 if i is None else sum(trace.layer_grads[i + 1:]) + trace.layer_peak_grads[i])
+    made = trace.head_grads + (0 if i is None else sum(trace.layer_grads[i + 1 :]) + trace.layer_peak_grads[i])
     return cost.peak_bytes, made
 
 
@@ -129,9 +151,15 @@ def layers_backward_peak(trace, segments, *, with_grads: bool) -> int:
 
 def _layers_cost(trace, segments, *, with_grads: bool):
     return checkpointing.plan_cost(
-        trace.saved, trace.inputs, segments, output_bytes=trace.output, head_bytes=0,
+        trace.saved,
+        trace.inputs,
+        segments,
+        output_bytes=trace.output,
+        head_bytes=0,
         transient_bytes=trace.backward_climbs_with_grads if with_grads else trace.backward_climbs,
-        grad_bytes=trace.layer_grads if with_grads else None, head_grad_bytes=trace.head_grads if with_grads else 0)
+        grad_bytes=trace.layer_grads if with_grads else None,
+        head_grad_bytes=trace.head_grads if with_grads else 0,
+    )
 
 
 def autocast_copies(spec: ModelSpec, setup: Setup) -> int:

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from course_lib import validate
 from course_lib.planner.config.gpus import GPU, get_gpu
-from course_lib.planner.predict import Plan, Trick, predict
 from course_lib.planner.config.setup import DEFAULT_LORA_RANK, SHARDS, PlanError, Setup
+from course_lib.planner.predict import Plan, Trick, predict
 from course_lib.planner.trace.toolbox import toolbox_tricks
 
 
@@ -20,13 +20,19 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup, bool]]:
     if setup.checkpointing == "none":
         exact.append(("activation checkpointing (every layer)", replace(setup, checkpointing="every-layer")))
     if setup.batch > 1:
-        exact.append((f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
-                      replace(setup, batch=1, accum=setup.batch * setup.accum)))
+        exact.append(
+            (
+                f"micro-batch 1 with gradient accumulation x{setup.batch * setup.accum}",
+                replace(setup, batch=1, accum=setup.batch * setup.accum),
+            )
+        )
     if setup.gpus is not None and setup.gpus > 1 and setup.shard != "zero3":  # costs communication (lesson 6)
         stage = SHARDS[SHARDS.index(setup.shard) + 1]
         exact.append((f"shard across the {setup.gpus} GPUs: {stage}", replace(setup, shard=stage)))
     if setup.optimizer == "adamw":  # the same update, no sqrt(v) temporaries
-        exact.append(("fused AdamW (fused=True, the Trainer's adamw_torch_fused)", replace(setup, optimizer="adamw_fused")))
+        exact.append(
+            ("fused AdamW (fused=True, the Trainer's adamw_torch_fused)", replace(setup, optimizer="adamw_fused"))
+        )
     # lesson 7's: the step in backward, a chunked loss, activation offloading; the step in backward refuses
     # accumulation, so it waits until the micro-batch is 1 (accumulation is the more common trick)
     exact += [(name, nxt) for name, nxt in toolbox_tricks(setup) if not (nxt.optimizer_in_backward and setup.batch > 1)]
@@ -37,11 +43,16 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup, bool]]:
         precision = setup.compute_name  # the 16-bit dtype of mixed-* and amp-*
         if precision == "bf16" and not card.bf16:
             precision = "fp16"
-        lossy.append((f"LoRA r={DEFAULT_LORA_RANK} on all linear layers, frozen {precision} base",
-                      replace(setup, lora_rank=DEFAULT_LORA_RANK, precision=precision)))
+        lossy.append(
+            (
+                f"LoRA r={DEFAULT_LORA_RANK} on all linear layers, frozen {precision} base",
+                replace(setup, lora_rank=DEFAULT_LORA_RANK, precision=precision),
+            )
+        )
     if setup.quant == "none":  # as peft's QLoRA recipe does it: prepare_model_for_kbit_training included
-        lossy.append(("QLoRA: NF4-DQ base + prepare_model_for_kbit_training",
-                      replace(setup, quant="nf4-dq", prepare_kbit=True)))
+        lossy.append(
+            ("QLoRA: NF4-DQ base + prepare_model_for_kbit_training", replace(setup, quant="nf4-dq", prepare_kbit=True))
+        )
     return [(name, nxt, True) for name, nxt in exact] + [(name, nxt, False) for name, nxt in lossy]
 
 
@@ -98,7 +109,7 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
     final = predict(model, _with(setup, [c for _, c, _ in kept]), card) if kept else current
     tricks: list[Trick] = []
     for index, (name, _, _) in enumerate(kept):
-        upto = predict(model, _with(setup, [c for _, c, _ in kept[:index + 1]]), card)
+        upto = predict(model, _with(setup, [c for _, c, _ in kept[: index + 1]]), card)
         try:
             without = predict(model, _with(setup, [c for j, (_, c, _) in enumerate(kept) if j != index]), card)
             saves = without.total - final.total

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from course_lib import validate
-from course_lib.planner.config.setup import OPTIMIZERS, PlanError, Setup, itemsize
 from course_lib.models import ModelSpec, ParamInfo
 from course_lib.paging.policies import BNB_MIN_8BIT_SIZE
+from course_lib.planner.config.setup import OPTIMIZERS, PlanError, Setup, itemsize
 
 # bitsandbytes 0.50.2 (optim/optimizer.py, Optimizer2State; docs/references.md): 8-bit blockwise
 # state, 256 values per float32 absmax; tensors below 4096 elements keep 32-bit state; two 256-entry
@@ -75,7 +75,9 @@ def eight_bit_state(optimizer: str, numel: int, full_state: bool = False) -> boo
     return optimizer in ("adamw8bit", "paged_adamw8bit") and numel >= BNB_MIN_8BIT_SIZE and not full_state
 
 
-def state_tensor_bytes(optimizer: str, shape: Sequence[int], state_itemsize: int, full_state: bool = False) -> list[int]:
+def state_tensor_bytes(
+    optimizer: str, shape: Sequence[int], state_itemsize: int, full_state: bool = False
+) -> list[int]:
     """The bytes of each state tensor an optimizer keeps for one trained tensor of `shape` (lesson 1),
     without the step counters and bitsandbytes' quantization maps (`optimizer_state_bytes` adds them).
 
@@ -106,9 +108,15 @@ def state_tensor_bytes(optimizer: str, shape: Sequence[int], state_itemsize: int
     raise PlanError(f"unknown optimizer {optimizer!r}")
 
 
-def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize: int,
-                          shapes: Sequence[tuple[int, ...]] | None = None, step_counters: bool = True,
-                          per_tensor: bool = False, full_state: Sequence[bool] = ()) -> int:
+def optimizer_state_bytes(
+    optimizer: str,
+    numels: Sequence[int],
+    state_itemsize: int,
+    shapes: Sequence[tuple[int, ...]] | None = None,
+    step_counters: bool = True,
+    per_tensor: bool = False,
+    full_state: Sequence[bool] = (),
+) -> int:
     """Exact bytes of an optimizer's state for trainable tensors of these sizes (lesson 1).
 
     `state_itemsize`: bytes per element of torch optimizers' state (the parameter's dtype, or 4 for
@@ -135,9 +143,15 @@ def optimizer_state_bytes(optimizer: str, numels: Sequence[int], state_itemsize:
     return total
 
 
-def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], state_itemsize: int,
-                          grad_itemsize: int, cuda: bool, mixed: bool,
-                          full_state: Sequence[bool] = ()) -> int:
+def optimizer_step_extra(
+    optimizer: str,
+    shapes: Sequence[tuple[int, ...]],
+    state_itemsize: int,
+    grad_itemsize: int,
+    cuda: bool,
+    mixed: bool,
+    full_state: Sequence[bool] = (),
+) -> int:
     """Temporaries of one optimizer step beyond the state (lesson 1, "the step has a peak too").
 
     torch AdamW on the CPU (single-tensor): sqrt(v) and its division live together, 2 x the largest
@@ -158,11 +172,15 @@ def optimizer_step_extra(optimizer: str, shapes: Sequence[tuple[int, ...]], stat
         extra = sum(numels) * state_itemsize if cuda else 2 * largest * state_itemsize
     elif optimizer in ("adamw8bit", "paged_adamw8bit", "paged_adamw32bit") and not cuda:
         flags = list(full_state) or [False] * len(numels)
-        extra = max(_bnb_cpu_step_bytes(n, grad_itemsize, eight_bit_state(optimizer, n, full))
-                    for n, full in zip(numels, flags))
+        extra = max(
+            _bnb_cpu_step_bytes(n, grad_itemsize, eight_bit_state(optimizer, n, full)) for n, full in zip(numels, flags)
+        )
     elif optimizer == "adafactor":  # update and its negation (fp32), plus fp32 copies of a 16-bit grad and param
-        extra = max(4 * math.prod(s) * (2 if grad_itemsize == 4 else 4)
-                    + 4 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else 1) for s in shapes)
+        extra = max(
+            4 * math.prod(s) * (2 if grad_itemsize == 4 else 4)
+            + 4 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else 1)
+            for s in shapes
+        )
     if mixed:
         extra += 4 * largest
     return extra
@@ -199,8 +217,7 @@ class ModelStates:
     state_itemsize: int = 4
 
 
-def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = None,
-                 cuda: bool = False) -> ModelStates:
+def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = None, cuda: bool = False) -> ModelStates:
     """Exact bytes of weights, gradients, optimizer state, master weights and quantization metadata
     (lesson 1). With `spec=None`, `n_params` parameters are treated as one full fine-tune."""
     wsize = itemsize(setup.weight_dtype)
@@ -215,17 +232,26 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
         in transformers' Adafactor and bitsandbytes' optimizers, whatever the parameter's dtype."""
         fp32 = master or setup.adam_state == "fp32" or setup.optimizer == "adafactor" or not torch_opt
         return 4 if fp32 else param_size
+
     if spec is None:
         if setup.lora_rank or setup.quant != "none":
-            raise PlanError("LoRA and quantization need the model's layer shapes: give a model name or "
-                            "config.json, not only --params")
+            raise PlanError(
+                "LoRA and quantization need the model's layer shapes: give a model name or "
+                "config.json, not only --params"
+            )
         if setup.optimizer == "adafactor":
             optimizer_state_bytes("adafactor", [n_params], 4)  # raises: shapes needed
         return ModelStates(
-            weights=n_params * wsize, gradients=n_params * grad_size,
+            weights=n_params * wsize,
+            gradients=n_params * grad_size,
             optimizer_state=optimizer_state_bytes(setup.optimizer, [n_params], state_size(wsize), step_counters=False),
-            master_weights=4 * n_params if mixed else 0, quantization=0, trainable=n_params, frozen=0,
-            grad_itemsize=read_size, state_itemsize=state_size(wsize))
+            master_weights=4 * n_params if mixed else 0,
+            quantization=0,
+            trainable=n_params,
+            frozen=0,
+            grad_itemsize=read_size,
+            state_itemsize=state_size(wsize),
+        )
 
     step_counters = not cuda
     if not setup.lora_rank:
@@ -234,12 +260,20 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
         state_itemsize = state_size(wsize)
         full_state = tuple(p.module == "embedding" for p in spec.params)  # the Trainer's override, under 8-bit
         return ModelStates(
-            weights=sum(numels) * wsize, gradients=sum(numels) * grad_size,
-            optimizer_state=optimizer_state_bytes(setup.optimizer, numels, state_itemsize, shapes, step_counters,
-                                                  setup.optimizer_in_backward, full_state),
-            master_weights=4 * sum(numels) if mixed else 0, quantization=0,
-            trainable=sum(numels), frozen=0, trainable_shapes=shapes, grad_itemsize=read_size,
-            state_itemsize=state_itemsize, full_state=full_state)
+            weights=sum(numels) * wsize,
+            gradients=sum(numels) * grad_size,
+            optimizer_state=optimizer_state_bytes(
+                setup.optimizer, numels, state_itemsize, shapes, step_counters, setup.optimizer_in_backward, full_state
+            ),
+            master_weights=4 * sum(numels) if mixed else 0,
+            quantization=0,
+            trainable=sum(numels),
+            frozen=0,
+            trainable_shapes=shapes,
+            grad_itemsize=read_size,
+            state_itemsize=state_itemsize,
+            full_state=full_state,
+        )
 
     # LoRA / QLoRA: frozen base, fp32 adapters (peft upcasts 16-bit adapters to fp32 by default);
     # autocast_adapter_dtype=False: adapters, gradients and torch optimizer state in the base's dtype.
@@ -250,8 +284,7 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
     weights = quantization = 0
     base_size = 4 if setup.prepare_kbit else wsize
     for info in spec.params:
-        if setup.quant != "none" and info.module == "linear" and not info.is_lm_head \
-                and info.name.endswith(".weight"):
+        if setup.quant != "none" and info.module == "linear" and not info.is_lm_head and info.name.endswith(".weight"):
             packed, meta = nf4_bytes(info.numel, setup.quant == "nf4-dq")
             weights += packed
             quantization += meta
@@ -259,8 +292,16 @@ def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = No
             weights += info.numel * base_size
     weights += adapter_size * sum(lora_numels)
     return ModelStates(
-        weights=weights, gradients=adapter_size * sum(lora_numels),
-        optimizer_state=optimizer_state_bytes(setup.optimizer, lora_numels, adapter_state, lora, step_counters,
-                                              setup.optimizer_in_backward),
-        master_weights=0, quantization=quantization, trainable=sum(lora_numels), frozen=spec.n_params,
-        trainable_shapes=lora, grad_itemsize=adapter_size, state_itemsize=adapter_state)
+        weights=weights,
+        gradients=adapter_size * sum(lora_numels),
+        optimizer_state=optimizer_state_bytes(
+            setup.optimizer, lora_numels, adapter_state, lora, step_counters, setup.optimizer_in_backward
+        ),
+        master_weights=0,
+        quantization=quantization,
+        trainable=sum(lora_numels),
+        frozen=spec.n_params,
+        trainable_shapes=lora,
+        grad_itemsize=adapter_size,
+        state_itemsize=adapter_state,
+    )

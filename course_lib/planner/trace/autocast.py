@@ -37,34 +37,155 @@ from torch.utils._pytree import tree_leaves, tree_map
 # torch 2.13, aten/src/ATen/autocast_mode.cpp, as the Python functions and tensor methods that reach them
 # are named (F.cross_entropy is aten::cross_entropy_loss; `a @ b` is Tensor.__matmul__)
 _LOWER = {
-    "cpu": {"conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm", "linear",
-            "matmul", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu",
-            "scaled_dot_product_attention"},
-    "cuda": {"conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-             "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot",
-             "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "lstm_cell", "gru_cell",
-             "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention"},
+    "cpu": {
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "bmm",
+        "mm",
+        "linalg_vecdot",
+        "baddbmm",
+        "addmm",
+        "addbmm",
+        "linear",
+        "matmul",
+        "conv_tbc",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "prelu",
+        "scaled_dot_product_attention",
+    },
+    "cuda": {
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_tbc",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "convolution",
+        "prelu",
+        "addmm",
+        "addmv",
+        "addr",
+        "matmul",
+        "einsum",
+        "mm",
+        "mv",
+        "linalg_vecdot",
+        "linear",
+        "addbmm",
+        "baddbmm",
+        "bmm",
+        "chain_matmul",
+        "linalg_multi_dot",
+        "lstm_cell",
+        "gru_cell",
+        "rnn_tanh_cell",
+        "rnn_relu_cell",
+        "scaled_dot_product_attention",
+    },
 }
-_LOSSES = {"mse_loss", "cosine_embedding_loss", "nll_loss", "hinge_embedding_loss", "poisson_nll_loss",
-           "smooth_l1_loss", "l1_loss", "huber_loss", "margin_ranking_loss", "soft_margin_loss",
-           "triplet_margin_loss", "multi_margin_loss", "kl_div", "multilabel_margin_loss",
-           "binary_cross_entropy_with_logits"}
+_LOSSES = {
+    "mse_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "hinge_embedding_loss",
+    "poisson_nll_loss",
+    "smooth_l1_loss",
+    "l1_loss",
+    "huber_loss",
+    "margin_ranking_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "kl_div",
+    "multilabel_margin_loss",
+    "binary_cross_entropy_with_logits",
+}
 _FP32 = {
-    "cpu": _LOSSES | {"cross_entropy", "binary_cross_entropy", "ctc_loss", "avg_pool3d", "max_pool3d",
-                      "adaptive_avg_pool3d", "grid_sampler", "polar", "prod", "quantile", "nanquantile", "stft",
-                      "cdist", "trace", "view_as_complex", "cholesky", "cholesky_inverse", "cholesky_solve",
-                      "inverse", "lu_solve", "orgqr", "ormqr", "pinverse", "max_unpool2d", "max_unpool3d"},
+    "cpu": _LOSSES
+    | {
+        "cross_entropy",
+        "binary_cross_entropy",
+        "ctc_loss",
+        "avg_pool3d",
+        "max_pool3d",
+        "adaptive_avg_pool3d",
+        "grid_sampler",
+        "polar",
+        "prod",
+        "quantile",
+        "nanquantile",
+        "stft",
+        "cdist",
+        "trace",
+        "view_as_complex",
+        "cholesky",
+        "cholesky_inverse",
+        "cholesky_solve",
+        "inverse",
+        "lu_solve",
+        "orgqr",
+        "ormqr",
+        "pinverse",
+        "max_unpool2d",
+        "max_unpool3d",
+    },
     # CUDA runs cross_entropy_loss (a composite) as log_softmax in fp32 and nll_loss in fp32
-    "cuda": _LOSSES | {"cross_entropy", "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2",
-                       "log1p", "reciprocal", "rsqrt", "sinh", "tan", "pow", "rpow", "softplus", "layer_norm",
-                       "group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "dist", "pdist",
-                       "cdist", "renorm", "logsumexp", "norm"},
+    "cuda": _LOSSES
+    | {
+        "cross_entropy",
+        "acos",
+        "asin",
+        "cosh",
+        "erfinv",
+        "exp",
+        "expm1",
+        "log",
+        "log10",
+        "log2",
+        "log1p",
+        "reciprocal",
+        "rsqrt",
+        "sinh",
+        "tan",
+        "pow",
+        "rpow",
+        "softplus",
+        "layer_norm",
+        "group_norm",
+        "frobenius_norm",
+        "nuclear_norm",
+        "cosine_similarity",
+        "dist",
+        "pdist",
+        "cdist",
+        "renorm",
+        "logsumexp",
+        "norm",
+    },
 }
-_FP32_DTYPE = {"cpu": set(), "cuda": {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
-                                      "linalg_matrix_norm", "sum"}}
-_PROMOTE = {"cpu": {"stack", "cat", "index_copy"},
-            "cuda": {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put",
-                     "scatter_add", "tensordot"}}
+_FP32_DTYPE = {
+    "cpu": set(),
+    "cuda": {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum"},
+}
+_PROMOTE = {
+    "cpu": {"stack", "cat", "index_copy"},
+    "cuda": {
+        "addcdiv",
+        "addcmul",
+        "atan2",
+        "bilinear",
+        "cross",
+        "dot",
+        "grid_sampler",
+        "index_put",
+        "scatter_add",
+        "tensordot",
+    },
+}
 POLICIES = ("lower", "fp32", "fp32_dtype", "promote")
 
 
@@ -100,8 +221,13 @@ class MetaAutocast(TorchFunctionMode):
         """autocast_mode.cpp's `cached_cast`: `value` in `dtype`, the copy of a trained weight cached."""
         if not _eligible(value) or value.dtype == dtype:
             return value
-        if not (dtype == self.dtype and value.dtype == torch.float32 and value.requires_grad and value.is_leaf
-                and not value._is_view()):
+        if not (
+            dtype == self.dtype
+            and value.dtype == torch.float32
+            and value.requires_grad
+            and value.is_leaf
+            and not value._is_view()
+        ):
             return value.to(dtype)
         if id(value) not in self.cache:
             copy = value.to(dtype)

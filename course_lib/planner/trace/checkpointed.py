@@ -12,15 +12,15 @@ import torch
 
 from course_lib.cache import cached_answer
 from course_lib.checkpointing import apply_plan, named_plan
+from course_lib.models import ModelSpec
+from course_lib.planner.allocator.reserved import stream_slack
+from course_lib.planner.config.setup import PlanError, Setup
 from course_lib.planner.trace.autocast import MetaAutocast
 from course_lib.planner.trace.compose import shallow_depth, shallow_spec
 from course_lib.planner.trace.deep_stream import deep_stream, live_peak, mark_positions
 from course_lib.planner.trace.kernels import kernels_as_on
-from course_lib.planner.allocator.reserved import stream_slack
-from course_lib.planner.config.setup import PlanError, Setup
-from course_lib.planner.trace.toolbox import step_in_backward_hook, traced_loss
 from course_lib.planner.trace.step import _build_traced_model, _decoder_layers, _MetaTracer, _trace_key, step_stream
-from course_lib.models import ModelSpec
+from course_lib.planner.trace.toolbox import step_in_backward_hook, traced_loss
 
 _SLACKS: dict[tuple, int] = {}  # checkpointed_slack's, by trace key and plan
 _STREAMS: dict[tuple, tuple[list[int], int]] = {}  # checkpointed_stream's, by trace key and plan
@@ -35,8 +35,11 @@ def checkpointed_slack(spec: ModelSpec, setup: Setup, target: str = "cuda") -> i
     Predicted: CPU has no caching allocator."""
     key = (*_trace_key(spec, setup, target), "checkpointed", setup.checkpointing, setup.empty_cache_each_step)
     if key not in _SLACKS:
-        _SLACKS[key] = cached_answer("slack", repr(key), lambda: stream_slack(
-            *checkpointed_stream(spec, setup, target), setup.empty_cache_each_step))
+        _SLACKS[key] = cached_answer(
+            "slack",
+            repr(key),
+            lambda: stream_slack(*checkpointed_stream(spec, setup, target), setup.empty_cache_each_step),
+        )
     return _SLACKS[key]
 
 
@@ -68,8 +71,9 @@ def _checkpointed_stream(spec: ModelSpec, setup: Setup, target: str) -> tuple[li
     small = _traced(spec, shallow_spec(spec, depth), depth, setup, target)
     if setup.checkpointing == "every-layer":
         period = depth // 3
-        deep = deep_stream(small, _traced(spec, shallow_spec(spec, 4 * period), 4 * period, setup, target),
-                           spec.n_layers, period)
+        deep = deep_stream(
+            small, _traced(spec, shallow_spec(spec, 4 * period), 4 * period, setup, target), spec.n_layers, period
+        )
         if deep is not None:
             return deep, live_peak(deep)
     return small.stream, small.peak
@@ -102,10 +106,11 @@ def _traced(spec: ModelSpec, copy_spec: ModelSpec, depth: int, setup: Setup, tar
             del loss
     except Exception as error:  # an architecture the plan cannot be applied to on the meta device: say which
         reason = " ".join(str(error).split())[:300]
-        raise PlanError(f"cannot trace {spec.name}'s step checkpointed as {setup.checkpointing!r} on the meta device "
-                        f"({type(error).__name__}: {reason}); plan without --gpu for the allocated bytes") from None
+        raise PlanError(
+            f"cannot trace {spec.name}'s step checkpointed as {setup.checkpointing!r} on the meta device "
+            f"({type(error).__name__}: {reason}); plan without --gpu for the allocated bytes"
+        ) from None
     finally:
         for handle in handles:
             handle.remove()
     return tracer
-

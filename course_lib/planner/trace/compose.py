@@ -17,14 +17,21 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from course_lib.planner.trace.deep_stream import deep_stream, live_peak
-from course_lib.planner.allocator.reserved import stream_slacks
 from course_lib.models import ModelSpec, transformers_config
+from course_lib.planner.allocator.reserved import stream_slacks
+from course_lib.planner.trace.deep_stream import deep_stream, live_peak
 
 MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
 # the trace's per-layer tuples (periodic) and the quantities that do not depend on the depth
-PER_LAYER = ("saved", "inputs", "backward_climbs", "backward_climbs_with_grads", "layer_grads", "autocast_cached",
-             "layer_peak_grads")
+PER_LAYER = (
+    "saved",
+    "inputs",
+    "backward_climbs",
+    "backward_climbs_with_grads",
+    "layer_grads",
+    "autocast_cached",
+    "layer_peak_grads",
+)
 CONSTANT = ("output", "saved_outside", "dequant_transient", "kept_outputs", "head_grads", "autocast_cached_outside")
 LINEAR = ("gradients", "offloaded")  # totals that grow by the same step with every period
 # what the caching allocator reserves beyond the peak (planner.allocator.reserved) does not grow linearly with the
@@ -67,8 +74,10 @@ def shallow_spec(spec: ModelSpec, n_layers: int) -> ModelSpec:
 
 def _per_layer_lists(config, n_layers: int) -> bool:
     """Whether the config has a per-layer list besides layer_types (then layers may differ)."""
-    return any(isinstance(value, (list, tuple)) and len(value) == n_layers and key != "layer_types"
-               for key, value in config.to_dict().items())
+    return any(
+        isinstance(value, (list, tuple)) and len(value) == n_layers and key != "layer_types"
+        for key, value in config.to_dict().items()
+    )
 
 
 def _classes(index, n_layers: int, period: int) -> list[tuple[str, int | str]]:
@@ -76,8 +85,12 @@ def _classes(index, n_layers: int, period: int) -> list[tuple[str, int | str]]:
     if isinstance(index, str):
         return [(index, 0)]
     found = []
-    for name, start in (("first", 0), ("middle-first", period), ("middle-last", n_layers - 2 * period),
-                        ("last", n_layers - period)):
+    for name, start in (
+        ("first", 0),
+        ("middle-first", period),
+        ("middle-last", n_layers - 2 * period),
+        ("last", n_layers - period),
+    ):
         if start <= index < start + period:
             found.append((name, index - start))
     return found
@@ -93,8 +106,8 @@ def _by_class(trace, n_layers: int, period: int) -> dict[tuple, tuple[int, int, 
 
 def _periodic(a: tuple, b: tuple, period: int, n_layers: int) -> tuple | None:
     """The per-layer tuple of the deep model from those of the 3p- and 4p-layer copies, or None."""
-    first, middle, last = b[:period], b[period:2 * period], b[3 * period:]
-    if a != first + middle + last or b[2 * period:3 * period] != middle:
+    first, middle, last = b[:period], b[period : 2 * period], b[3 * period :]
+    if a != first + middle + last or b[2 * period : 3 * period] != middle:
         return None
     return first + middle * (n_layers // period - 2) + last
 
@@ -143,16 +156,23 @@ def _composed(spec: ModelSpec, setup, target: str, trace: Callable, n: int, peri
         return peaks.get(phase, [0, 0, 0])[which]
 
     return type(a)(  # a Trace (planner.trace.step), as `trace` makes them
-        forward_peak=peak("forward", 0), head_backward_peak=peak("head_backward", 0),
-        layer_backward_peak=peak("layer_backward", 0), tail_backward_peak=peak("tail_backward", 0),
-        forward_peak_without_grads=peak("forward", 1), head_backward_peak_without_grads=peak("head_backward", 1),
+        forward_peak=peak("forward", 0),
+        head_backward_peak=peak("head_backward", 0),
+        layer_backward_peak=peak("layer_backward", 0),
+        tail_backward_peak=peak("tail_backward", 0),
+        forward_peak_without_grads=peak("forward", 1),
+        head_backward_peak_without_grads=peak("head_backward", 1),
         layer_backward_peak_without_grads=peak("layer_backward", 1),
-        tail_backward_peak_without_grads=peak("tail_backward", 1), forward_peak_grads=peak("forward", 2),
-        head_backward_peak_grads=peak("head_backward", 2), layer_backward_peak_grads=peak("layer_backward", 2),
+        tail_backward_peak_without_grads=peak("tail_backward", 1),
+        forward_peak_grads=peak("forward", 2),
+        head_backward_peak_grads=peak("head_backward", 2),
+        layer_backward_peak_grads=peak("layer_backward", 2),
         tail_backward_peak_grads=peak("tail_backward", 2),
-        **per_layer, **{name: getattr(a, name) + (getattr(b, name) - getattr(a, name)) * steps for name in LINEAR},
+        **per_layer,
+        **{name: getattr(a, name) + (getattr(b, name) - getattr(a, name)) * steps for name in LINEAR},
         **_slacks(a, b, n, period),
-        **{name: getattr(a, name) for name in CONSTANT})
+        **{name: getattr(a, name) for name in CONSTANT},
+    )
 
 
 def _slacks(a, b, n: int, period: int) -> dict[str, int]:

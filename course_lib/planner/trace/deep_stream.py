@@ -46,8 +46,11 @@ def live_peak(stream: list[int]) -> int:
 def _runs(stream, marks) -> list[tuple[str, int | str, list[int]]]:
     """The stream cut at its marks: (phase, position, entries) in order."""
     cuts = [(int(start), phase, position) for start, phase, position in marks] + [(len(stream), None, None)]
-    return [(phase, position, list(stream[start:end]))
-            for (start, phase, position), (end, _, _) in zip(cuts, cuts[1:]) if end > start]
+    return [
+        (phase, position, list(stream[start:end]))
+        for (start, phase, position), (end, _, _) in zip(cuts, cuts[1:])
+        if end > start
+    ]
 
 
 def _expand(stream, marks, units: int, period: int) -> list[int] | None:
@@ -117,6 +120,7 @@ def mark_positions(tracer, layers, on_backward=None) -> list:
             if on_backward is not None:
                 on_backward(index)
             tracer.set_phase(phase or tracer.phase, position)
+
         return hook
 
     def pre_hook(index):
@@ -127,6 +131,7 @@ def mark_positions(tracer, layers, on_backward=None) -> list:
             hidden = args[0] if args else kwargs.get("hidden_states")
             if index == 0 and hidden.requires_grad:  # its gradient: the layers' backward is over
                 hidden.register_hook(starts(len(layers), "tail_backward", "pre"))
+
         return hook
 
     def post_hook(index):
@@ -138,8 +143,14 @@ def mark_positions(tracer, layers, on_backward=None) -> list:
                 tracer.set_phase(tracer.phase, "post")
             if hidden.requires_grad:  # its gradient: layer index's backward starts
                 hidden.register_hook(starts(index, "layer_backward" if index == last else None, index))
+
         return hook
 
-    return [handle for index, layer in enumerate(layers)
-            for handle in (layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True),
-                           layer.register_forward_hook(post_hook(index)))]
+    return [
+        handle
+        for index, layer in enumerate(layers)
+        for handle in (
+            layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True),
+            layer.register_forward_hook(post_hook(index)),
+        )
+    ]

@@ -35,17 +35,34 @@ def kernels_as_on(target: str, autocast: MetaAutocast | None = None):
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if autocast is not None:
-            (query, key, value, attn_mask), _ = autocast.cast("scaled_dot_product_attention",
-                                                              (query, key, value, attn_mask), {})
+            (query, key, value, attn_mask), _ = autocast.cast(
+                "scaled_dot_product_attention", (query, key, value, attn_mask), {}
+            )
         if query.device.type != "meta":
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
-        if target == "cuda" or _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal,
-                                                   enable_gqa) == 1:
+            return original(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+        if target == "cuda" or _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) == 1:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+                query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+            )[0]
+        return original(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
 
     # transformers looks for packed sequences in the position ids, a data-dependent test the meta
     # device cannot answer; a plain batch (positions 0 .. s-1 in every row) has none.
@@ -69,6 +86,7 @@ def kernels_as_on(target: str, autocast: MetaAutocast | None = None):
 
 def _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> int:
     """Which kernel torch's CPU SDPA would pick (0 math, 1 flash) for tensors of this kind."""
+
     def small(t):
         shape = list(t.shape)
         shape[0] = 1
@@ -81,5 +99,8 @@ def _cpu_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable
         shape = [1] * (attn_mask.dim() - 2) + [min(query.shape[-2], 8), min(key.shape[-2], 8)]
         mask = torch.zeros(shape, dtype=attn_mask.dtype)
     with torch.no_grad():
-        return int(torch._fused_sdp_choice(small(query), small(key), small(value), mask, dropout_p, is_causal,
-                                           enable_gqa=enable_gqa))
+        return int(
+            torch._fused_sdp_choice(
+                small(query), small(key), small(value), mask, dropout_p, is_causal, enable_gqa=enable_gqa
+            )
+        )

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.planner.config.setup import PlanError, Setup, itemsize
 from course_lib.models import ModelSpec
+from course_lib.planner.config.setup import PlanError, Setup, itemsize
 
 
 def refuse_lora_on_experts(model: torch.nn.Module, spec: ModelSpec, setup: Setup) -> None:
@@ -32,11 +32,13 @@ def refuse_lora_on_experts(model: torch.nn.Module, spec: ModelSpec, setup: Setup
     experts = sum(info.numel for info in spec.params if len(info.shape) == 3)
     size = 4 if setup.prepare_kbit else itemsize(setup.weight_dtype)
     dtype = "fp32 after prepare_model_for_kbit_training" if setup.prepare_kbit else str(setup.weight_dtype)[6:]
-    raise PlanError(f"LoRA on {spec.name}'s experts is not modelled: transformers 5 stores them as 3-D parameters "
-                    f"({experts / spec.n_params:.0%} of the parameters, {experts * size / 2**30:.1f} GiB in {dtype}), "
-                    "which bitsandbytes' 4-bit quantizer leaves unquantized (it replaces nn.Linear only) and peft's "
-                    f"{setup.lora_targets!r} adapts through target_parameters; plan LoRA on the attention projections "
-                    "(lora_targets=('q_proj', 'k_proj', 'v_proj', 'o_proj') in course_lib.planner.plan)")
+    raise PlanError(
+        f"LoRA on {spec.name}'s experts is not modelled: transformers 5 stores them as 3-D parameters "
+        f"({experts / spec.n_params:.0%} of the parameters, {experts * size / 2**30:.1f} GiB in {dtype}), "
+        "which bitsandbytes' 4-bit quantizer leaves unquantized (it replaces nn.Linear only) and peft's "
+        f"{setup.lora_targets!r} adapts through target_parameters; plan LoRA on the attention projections "
+        "(lora_targets=('q_proj', 'k_proj', 'v_proj', 'o_proj') in course_lib.planner.plan)"
+    )
 
 
 class _MetaGroupedMM(torch.autograd.Function):
@@ -48,23 +50,29 @@ class _MetaGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mat_a, mat_b, offs):
-        ctx.save_for_backward(mat_a if ctx.needs_input_grad[1] else None,
-                              mat_b if ctx.needs_input_grad[0] else None, offs)
+        ctx.save_for_backward(
+            mat_a if ctx.needs_input_grad[1] else None, mat_b if ctx.needs_input_grad[0] else None, offs
+        )
         ctx.shapes = (mat_a.shape, mat_b.shape)
         return mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad):
         a_shape, b_shape = ctx.shapes
-        return (grad.new_empty(a_shape) if ctx.needs_input_grad[0] else None,
-                grad.new_empty(b_shape) if ctx.needs_input_grad[1] else None, None)
+        return (
+            grad.new_empty(a_shape) if ctx.needs_input_grad[0] else None,
+            grad.new_empty(b_shape) if ctx.needs_input_grad[1] else None,
+            None,
+        )
 
 
 def grouped_mm_on_meta(original):
     """`torch.nn.functional.grouped_mm` as the planner's meta-device trace runs it (transformers 5's MoE
     experts, `integrations/moe.py`): the native op, or `_MetaGroupedMM` for meta tensors not in bf16."""
+
     def grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
         if mat_a.device.type == "meta" and mat_a.dtype != torch.bfloat16 and bias is None and out_dtype is None:
             return _MetaGroupedMM.apply(mat_a, mat_b, offs)
         return original(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+
     return grouped_mm

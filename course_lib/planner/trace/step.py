@@ -13,15 +13,15 @@ import torch
 from course_lib.cache import cached
 from course_lib.layers import find_layer_stack
 from course_lib.measure import LiveStorageTracker
-from course_lib.planner.trace.autocast import MetaAutocast
-from course_lib.planner.trace.compose import composed_trace
-from course_lib.planner.trace.kernels import kernels_as_on
-from course_lib.planner.trace.moe import refuse_lora_on_experts
-from course_lib.planner.trace.deep_stream import mark_positions
+from course_lib.models import ModelSpec, build_model, supported_attention, transformers_config
 from course_lib.planner.allocator.reserved import AllocationStream, stream_slacks
 from course_lib.planner.config.setup import PlanError, Setup, itemsize
+from course_lib.planner.trace.autocast import MetaAutocast
+from course_lib.planner.trace.compose import composed_trace
+from course_lib.planner.trace.deep_stream import mark_positions
+from course_lib.planner.trace.kernels import kernels_as_on
+from course_lib.planner.trace.moe import refuse_lora_on_experts
 from course_lib.planner.trace.toolbox import step_in_backward_hook, traced_loss
-from course_lib.models import ModelSpec, build_model, supported_attention, transformers_config
 from course_lib.toolbox.activation_offload import HostOffload
 
 
@@ -45,7 +45,9 @@ class _MetaTracer(AllocationStream, LiveStorageTracker):
         self.peak_grads: dict[str, int] = {}  # the gradients live at each phase's peak
         self.position_peaks: dict[tuple[str, int | str], tuple[int, int, int]] = {}
         self.known: set[int] = set()
-        self.stream_marks: list[tuple[int, str, int | str]] = [(0, self.phase, self.position)]  # planner.trace.deep_stream
+        self.stream_marks: list[tuple[int, str, int | str]] = [
+            (0, self.phase, self.position)
+        ]  # planner.trace.deep_stream
 
     def exclude(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage (a parameter, the batch), nor views of it."""
@@ -66,8 +68,11 @@ class _MetaTracer(AllocationStream, LiveStorageTracker):
         where = (self.phase, self.position)
         old = self.position_peaks.get(where, (0, 0, 0))
         if self.current > old[0] or rest > old[1]:
-            self.position_peaks[where] = (max(old[0], self.current), max(old[1], rest),
-                                          self.grad_bytes if self.current > old[0] else old[2])
+            self.position_peaks[where] = (
+                max(old[0], self.current),
+                max(old[1], rest),
+                self.grad_bytes if self.current > old[0] else old[2],
+            )
 
     def set_phase(self, phase: str, position: int | str | None = None) -> None:
         self.phase = phase
@@ -155,12 +160,25 @@ def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     mixed-bf16-fp32grads trace the same step), save under lesson 7's step in backward, whose temporaries
     follow the master-copy recipe."""
     dtypes = setup.precision if setup.optimizer_in_backward else (str(setup.weight_dtype), str(setup.autocast_dtype))
-    return (spec.config.to_json_string(use_diff=False), dtypes, setup.lora_rank, str(setup.lora_targets),
-            float(setup.lora_dropout), setup.autocast_adapter_dtype, setup.quant != "none",
-            setup.prepare_kbit, setup.batch, setup.seq, setup.attention, target, setup.loop != "trainer",
-            setup.legacy_causal_lm_loss,
-            setup.chunked_loss, setup.offload_activations,
-            (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None)
+    return (
+        spec.config.to_json_string(use_diff=False),
+        dtypes,
+        setup.lora_rank,
+        str(setup.lora_targets),
+        float(setup.lora_dropout),
+        setup.autocast_adapter_dtype,
+        setup.quant != "none",
+        setup.prepare_kbit,
+        setup.batch,
+        setup.seq,
+        setup.attention,
+        target,
+        setup.loop != "trainer",
+        setup.legacy_causal_lm_loss,
+        setup.chunked_loss,
+        setup.offload_activations,
+        (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None,
+    )
 
 
 _TRACES: dict[tuple, Trace] = {}
@@ -175,8 +193,9 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     """
     key = _trace_key(spec, setup, target)
     if key not in _TRACES:
-        _TRACES[key] = cached_trace(key, lambda: _or_refusal(lambda: composed_trace(spec, setup, target, _trace)
-                                                             or _trace(spec, setup, target)))
+        _TRACES[key] = cached_trace(
+            key, lambda: _or_refusal(lambda: composed_trace(spec, setup, target, _trace) or _trace(spec, setup, target))
+        )
     if isinstance(_TRACES[key], str):  # the setup's refusal, kept like a trace: the model is not built again
         raise PlanError(_TRACES[key])
     return _TRACES[key]
@@ -204,10 +223,17 @@ def cached_trace(key: tuple, make) -> Trace | str:
     """The trace for `key` from the disk cache (course_lib.cache), or `make()` kept there; a refusal (the
     PlanError's line, a str) is kept the same way."""
     names = [f.name for f in fields(Trace) if f.name not in ("by_position", "stream", "stream_marks")]
-    return cached("trace", repr(key), make,
-                  lambda trace: {"refused": trace} if isinstance(trace, str) else {n: getattr(trace, n) for n in names},
-                  lambda data: data["refused"] if "refused" in data else
-                  Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}))
+    return cached(
+        "trace",
+        repr(key),
+        make,
+        lambda trace: {"refused": trace} if isinstance(trace, str) else {n: getattr(trace, n) for n in names},
+        lambda data: (
+            data["refused"]
+            if "refused" in data
+            else Trace(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        ),
+    )
 
 
 def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
@@ -228,10 +254,17 @@ def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
         targets = setup.lora_targets if setup.lora_targets == "all-linear" else list(setup.lora_targets)
         with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
             warnings.simplefilter("ignore")
-            model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
-                                                     target_modules=targets, lora_dropout=setup.lora_dropout,
-                                                     init_lora_weights=False),  # values: none on meta
-                                   autocast_adapter_dtype=setup.autocast_adapter_dtype)
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=setup.lora_rank,
+                    lora_alpha=2 * setup.lora_rank,
+                    target_modules=targets,
+                    lora_dropout=setup.lora_dropout,
+                    init_lora_weights=False,
+                ),  # values: none on meta
+                autocast_adapter_dtype=setup.autocast_adapter_dtype,
+            )
         if not setup.autocast_adapter_dtype:  # peft casts adapters to the base's dtype, but skips meta ones
             for param in (p for p in model.parameters() if p.requires_grad):
                 param.data = param.data.to(setup.weight_dtype)
@@ -270,13 +303,17 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             current["layer"] = index
             hidden = args[0] if args else kwargs.get("hidden_states")
             inputs[index] = hidden.untyped_storage().nbytes()
+
         return hook
 
     def post_hook(index):
         def hook(module, args, result):
             current["layer"] = None
             if index == len(layers) - 1:
-                output["bytes"] = (result[0] if isinstance(result, (tuple, list)) else result).untyped_storage().nbytes()
+                output["bytes"] = (
+                    (result[0] if isinstance(result, (tuple, list)) else result).untyped_storage().nbytes()
+                )
+
         return hook
 
     # parameter gradients made when layer i's backward starts ([n]: the tail's)
@@ -290,8 +327,9 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         tracer.set_phase(tracer.phase)
 
     # lesson 7: the step's temporaries of one tensor, then its gradient freed
-    in_backward = step_in_backward_hook(tracer, model, spec, setup, target == "cuda") \
-        if setup.optimizer_in_backward else None
+    in_backward = (
+        step_in_backward_hook(tracer, model, spec, setup, target == "cuda") if setup.optimizer_in_backward else None
+    )
     for param in model.parameters():
         if param.requires_grad:
             handles.append(param.register_post_accumulate_grad_hook(grad_hook))
@@ -311,8 +349,9 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             with tracer, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 with autocast or contextlib.nullcontext():  # the Trainer's autocast: the forward and the loss
                     loss, outputs = traced_loss(model, ids, setup, autocast)
-                kept = outputs.logits.untyped_storage().nbytes() \
-                    if setup.loop != "trainer" and outputs is not None else 0
+                kept = (
+                    outputs.logits.untyped_storage().nbytes() if setup.loop != "trainer" and outputs is not None else 0
+                )
                 if setup.loop == "trainer":
                     del outputs
                 tracer.set_phase("head_backward")
@@ -320,8 +359,10 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
                 del loss
     except Exception as error:  # an architecture the meta device cannot run: say which
         reason = " ".join(str(error).split())[:300]
-        raise PlanError(f"cannot trace a training step of {spec.name} on the meta device "
-                        f"({type(error).__name__}: {reason}); plan with --params N instead") from None
+        raise PlanError(
+            f"cannot trace a training step of {spec.name} on the meta device "
+            f"({type(error).__name__}: {reason}); plan with --params N instead"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
         for handle in handles:
@@ -335,29 +376,47 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             saved[layer] += nbytes
     dequant = 0
     if setup.quant != "none":  # bitsandbytes dequantizes one frozen weight at a time, forward and backward
-        dequant = max(p.numel for p in spec.params if p.module == "linear" and not p.is_lm_head) \
-            * itemsize(setup.weight_dtype)
+        dequant = max(p.numel for p in spec.params if p.module == "linear" and not p.is_lm_head) * itemsize(
+            setup.weight_dtype
+        )
     peaks, rest = tracer.phase_peaks, tracer.peaks_without_grads
-    climbs, climbs_with_grads, layer_grads, head_grads, own = _backward_climbs(tracer, saved, inputs, output["bytes"],
-                                                                               grads_at)
+    climbs, climbs_with_grads, layer_grads, head_grads, own = _backward_climbs(
+        tracer, saved, inputs, output["bytes"], grads_at
+    )
     at_peak = tracer.peak_grads
     return Trace(
-        forward_peak=peaks.get("forward", 0), head_backward_peak=peaks.get("head_backward", 0),
-        layer_backward_peak=peaks.get("layer_backward", 0), tail_backward_peak=peaks.get("tail_backward", 0),
+        forward_peak=peaks.get("forward", 0),
+        head_backward_peak=peaks.get("head_backward", 0),
+        layer_backward_peak=peaks.get("layer_backward", 0),
+        tail_backward_peak=peaks.get("tail_backward", 0),
         forward_peak_without_grads=rest.get("forward", 0),
         head_backward_peak_without_grads=rest.get("head_backward", 0),
         layer_backward_peak_without_grads=rest.get("layer_backward", 0),
         tail_backward_peak_without_grads=rest.get("tail_backward", 0),
-        gradients=tracer.grad_bytes, saved=tuple(saved), inputs=tuple(inputs), output=output["bytes"],
-        saved_outside=outside, dequant_transient=dequant, kept_outputs=kept, backward_climbs=climbs,
-        backward_climbs_with_grads=climbs_with_grads, layer_grads=layer_grads, head_grads=head_grads,
-        offloaded=0 if offload is None else offload.to_host, autocast_cached=tuple(cached[:-1]),
-        autocast_cached_outside=cached[-1], forward_peak_grads=at_peak.get("forward", 0),
+        gradients=tracer.grad_bytes,
+        saved=tuple(saved),
+        inputs=tuple(inputs),
+        output=output["bytes"],
+        saved_outside=outside,
+        dequant_transient=dequant,
+        kept_outputs=kept,
+        backward_climbs=climbs,
+        backward_climbs_with_grads=climbs_with_grads,
+        layer_grads=layer_grads,
+        head_grads=head_grads,
+        offloaded=0 if offload is None else offload.to_host,
+        autocast_cached=tuple(cached[:-1]),
+        autocast_cached_outside=cached[-1],
+        forward_peak_grads=at_peak.get("forward", 0),
         head_backward_peak_grads=at_peak.get("head_backward", 0),
         layer_backward_peak_grads=at_peak.get("layer_backward", 0),
-        tail_backward_peak_grads=at_peak.get("tail_backward", 0), layer_peak_grads=own,
+        tail_backward_peak_grads=at_peak.get("tail_backward", 0),
+        layer_peak_grads=own,
         **stream_slacks(tracer.stream, tracer.peak),
-        by_position=dict(tracer.position_peaks), stream=tuple(tracer.stream), stream_marks=tuple(tracer.stream_marks))
+        by_position=dict(tracer.position_peaks),
+        stream=tuple(tracer.stream),
+        stream_marks=tuple(tracer.stream_marks),
+    )
 
 
 def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
@@ -375,10 +434,9 @@ def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], o
     climbs, with_grads, own = [], [], []
     for i in range(n):
         peak, peak_without, grads = tracer.position_peaks.get(("layer_backward", i), (0, 0, 0))
-        counted = sum(saved[:i + 1]) + arriving[i]
+        counted = sum(saved[: i + 1]) + arriving[i]
         climbs.append(peak_without - counted)
         with_grads.append(peak - counted - (grads_at[i] or 0))
         own.append(max(grads - (grads_at[i] or 0), 0))
     made = [(grads_at[i - 1] if i else grads_at[n]) - (grads_at[i] or 0) for i in range(n)]
     return tuple(climbs), tuple(with_grads), tuple(made), grads_at[n - 1] or 0, tuple(own)
-

@@ -14,9 +14,9 @@ from dataclasses import replace
 import torch
 
 from course_lib.measure import format_bytes
-from course_lib.planner.states.model_states import model_states, optimizer_step_extra
 from course_lib.models import legacy_causal_lm_loss
 from course_lib.paging.policies import PCIE3_X16
+from course_lib.planner.states.model_states import model_states, optimizer_step_extra
 from course_lib.toolbox.activation_offload import transfer_seconds
 from course_lib.toolbox.chunked_loss import chunked_causal_lm_loss
 
@@ -62,13 +62,15 @@ def step_in_backward_hook(tracer, model: torch.nn.Module, spec, setup, cuda: boo
     def hook(param):
         grad = param.grad
         shape = tuple(param.shape)
-        extra = optimizer_step_extra(setup.optimizer, [shape], state_itemsize, grad.element_size(), cuda, mixed,
-                                     [id(param) in embeddings])
+        extra = optimizer_step_extra(
+            setup.optimizer, [shape], state_itemsize, grad.element_size(), cuda, mixed, [id(param) in embeddings]
+        )
         temporaries = torch.empty(extra, dtype=torch.uint8, device=param.device) if extra else None
         del temporaries
         tracer.grad_bytes -= grad.untyped_storage().nbytes()
         del grad
         param.grad = None
+
     return hook
 
 
@@ -76,24 +78,31 @@ def toolbox_notes(setup, trace, card=None) -> tuple[list[str], dict]:
     """The plan's notes and details for lesson 7's options; `card`: the target GPU (its host link), or None."""
     notes, detail = [], {}
     if setup.optimizer_in_backward:
-        notes.append("optimizer in backward: each parameter is updated in its post-accumulate-grad hook and its "
-                     "gradient freed there: no full set of gradients, no accumulation, and no global norm clip "
-                     "(a recipe's clip, the Trainer's max_grad_norm=1.0 by default, is lost)")
+        notes.append(
+            "optimizer in backward: each parameter is updated in its post-accumulate-grad hook and its "
+            "gradient freed there: no full set of gradients, no accumulation, and no global norm clip "
+            "(a recipe's clip, the Trainer's max_grad_norm=1.0 by default, is lost)"
+        )
     if setup.chunked_loss is not None:
-        notes.append(f"chunked loss: the output layer and the loss run {setup.chunked_loss} tokens at a time, each "
-                     "chunk's logits recomputed in backward (lesson 7)")
+        notes.append(
+            f"chunked loss: the output layer and the loss run {setup.chunked_loss} tokens at a time, each "
+            "chunk's logits recomputed in backward (lesson 7)"
+        )
         tokens = setup.batch * setup.seq
         if setup.chunked_loss >= tokens:
-            notes.append(f"chunked loss of {setup.chunked_loss} tokens a chunk: the micro-batch has {tokens} "
-                         f"(batch {setup.batch} x seq {setup.seq}), so it is one chunk and backward rebuilds all of "
-                         f"its logits at once; a chunk below {tokens} tokens is what saves memory")
+            notes.append(
+                f"chunked loss of {setup.chunked_loss} tokens a chunk: the micro-batch has {tokens} "
+                f"(batch {setup.batch} x seq {setup.seq}), so it is one chunk and backward rebuilds all of "
+                f"its logits at once; a chunk below {tokens} tokens is what saves memory"
+            )
     if setup.offload_activations:
-
         rate = PCIE3_X16 if card is None else card.host_link_bytes_per_s
         link = "PCIe 3.0 x16, no --gpu given" if card is None else f"the {card.name}'s {card.host_link}"
         seconds = transfer_seconds(trace.offloaded, trace.offloaded, rate)
         detail.update(offload_bytes_each_way=trace.offloaded, offload_seconds_predicted=seconds)
-        notes.append(f"offload activations: {format_bytes(trace.offloaded)} to host memory in forward and back in "
-                     f"backward, weights saved by matmuls included; predicted {seconds * 1e3:,.1f} ms per step at "
-                     f"{rate / 1e9:.2f} GB/s each way ({link}), not overlapped")
+        notes.append(
+            f"offload activations: {format_bytes(trace.offloaded)} to host memory in forward and back in "
+            f"backward, weights saved by matmuls included; predicted {seconds * 1e3:,.1f} ms per step at "
+            f"{rate / 1e9:.2f} GB/s each way ({link}), not overlapped"
+        )
     return notes, detail
