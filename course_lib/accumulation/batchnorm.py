@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from course_lib.accumulation.batches import batch_size, cast_batch, check_accumulation_steps
-from course_lib.accumulation.equivalence import DtypeComparison, _max_abs, _model_device, compare_accumulation
+from course_lib.accumulation.equivalence import DtypeComparison, compare_accumulation, max_abs, model_device
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss, default_loss
-from course_lib.accumulation.tiny_models import _groups
+from course_lib.accumulation.tiny_models import group_count
 from course_lib.course import wrapped
 from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
@@ -50,7 +50,7 @@ def replace_batchnorm(model: nn.Module, kind: str = "group", num_groups: int | N
         if not isinstance(module, _BN):
             return None
         c = module.num_features
-        groups = 1 if kind == "layer" else (num_groups or _groups(c))
+        groups = 1 if kind == "layer" else (num_groups or group_count(c))
         norm = nn.GroupNorm(groups, c, eps=module.eps, affine=module.affine)
         if module.affine:
             with torch.no_grad():
@@ -297,14 +297,14 @@ def compare_batchnorm_remedies(
     ]
     loss = loss if loss is not None else default_loss(batch)
     reference = _whole_batch_gradients(model, batch, loss, dtype)
-    scale = max((_max_abs(g) for g in reference.values()), default=0.0) or 1.0
+    scale = max((max_abs(g) for g in reference.values()), default=0.0) or 1.0
     rows = []
     for name, variant in variants:
         c = compare_accumulation(variant, batch, k, loss, dtypes=(dtype,))[dtype]
         stat, tracked = _running_stats(c)
         fixes, does_not = REMEDY_NOTES[name]
         grads = _whole_batch_gradients(variant, batch, loss, dtype)
-        vs_bn = max(_max_abs(grads[n] - reference[n]) for n in reference) / scale
+        vs_bn = max(max_abs(grads[n] - reference[n]) for n in reference) / scale
         rows.append(RemedyRow(name, c.max_rel_grad, stat, tracked, fixes, does_not, vs_bn))
     return RemedyReport(k, rows)
 
@@ -312,5 +312,5 @@ def compare_batchnorm_remedies(
 def _whole_batch_gradients(model: nn.Module, batch: Batch, loss, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     m = copy.deepcopy(model).to(dtype).train()
     m.zero_grad(set_to_none=True)
-    (loss.sum(m, cast_batch(batch, dtype, _model_device(m))) / loss.count(batch)).backward()
+    (loss.sum(m, cast_batch(batch, dtype, model_device(m))) / loss.count(batch)).backward()
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in m.named_parameters()}

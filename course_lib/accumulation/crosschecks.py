@@ -22,7 +22,7 @@ from course_lib.accumulation.batches import (
     padded_token_examples,
 )
 from course_lib.accumulation.broken import loop_class, sgd_and_schedule
-from course_lib.accumulation.equivalence import _max_abs
+from course_lib.accumulation.equivalence import max_abs
 from course_lib.accumulation.loop import max_weight_difference
 from course_lib.accumulation.losses import TokenLoss
 from course_lib.accumulation.tiny_models import TinyTokenLM, tiny_causal_lm_config
@@ -260,11 +260,11 @@ def ddp_accumulation_demo(
         states = [r[v]["state"] for r in per_rank]
         ref = dict(single.named_parameters())
         vs_single = max(
-            _max_abs(s[n].double() - ref[n].detach().double()) / max(_max_abs(ref[n]), 1e-12) for s in states for n in s
+            max_abs(s[n].double() - ref[n].detach().double()) / max(max_abs(ref[n]), 1e-12) for s in states for n in s
         )
         between = (
             max(
-                _max_abs(s[n].double() - states[0][n].double()) / max(_max_abs(states[0][n]), 1e-12)
+                max_abs(s[n].double() - states[0][n].double()) / max(max_abs(states[0][n]), 1e-12)
                 for s in states[1:]
                 for n in s
             )

@@ -144,11 +144,11 @@ class AccumulationReport(PlainTextTable):
         return f"<table><caption>{caption}</caption><tr>{head}</tr>{body}</table>"
 
 
-def _max_abs(t: torch.Tensor) -> float:
+def max_abs(t: torch.Tensor) -> float:
     return float(t.detach().abs().max()) if t.numel() else 0.0
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
@@ -275,7 +275,7 @@ def _compare_in_dtype(model, batch, micro, loss, scales, whole_count, dtype, tra
             continue
         g_whole = p.grad if p.grad is not None else torch.zeros_like(p)
         g_acc = q.grad if q.grad is not None else torch.zeros_like(q)
-        pairs.append((name, _max_abs(g_acc - g_whole), _max_abs(g_whole)))
+        pairs.append((name, max_abs(g_acc - g_whole), max_abs(g_whole)))
     largest = max((scale for _, _, scale in pairs), default=0.0)
     floor = largest * math.sqrt(torch.finfo(dtype).eps)
     gradients = []
@@ -289,7 +289,7 @@ def _compare_in_dtype(model, batch, micro, loss, scales, whole_count, dtype, tra
         if b.numel() == 1:
             whole_value, acc_value = b.item(), a.item()
         else:
-            whole_value, acc_value = _max_abs(b), _max_abs(a)
-        diff = _max_abs(a.double() - b.double())
+            whole_value, acc_value = max_abs(b), max_abs(a)
+        diff = max_abs(a.double() - b.double())
         buffers.append(BufferDiff(name, whole_value, acc_value, diff))
     return DtypeComparison(str(dtype).replace("torch.", ""), float(whole_loss.detach()), acc_loss, gradients, buffers)

@@ -21,7 +21,7 @@ from torch import nn
 
 from course_lib import validate
 from course_lib.accumulation.batches import check_accumulation_steps, concat_batches
-from course_lib.accumulation.equivalence import _max_abs, _model_device
+from course_lib.accumulation.equivalence import max_abs, model_device
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss
 from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
@@ -124,7 +124,7 @@ class AccumulationLoop:
         self.ddp = _is_ddp(model)
         self.skips_sync = callable(getattr(model, "no_sync", None))  # DDP, FSDP1 and their stand-ins
         self.world = torch.distributed.get_world_size() if self.ddp else 1
-        self.device = _model_device(model)
+        self.device = model_device(model)
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.result = TrainResult()
         self._stepped: list[bool] = []
@@ -324,8 +324,8 @@ def max_weight_difference(a: nn.Module, b: nn.Module) -> float:
     worst = 0.0
     for name, p in _unwrap(a).named_parameters():
         q = b_params[name]
-        scale = max(_max_abs(q), 1e-12)
-        worst = max(worst, _max_abs(p.detach().double() - q.detach().double().to(p.device)) / scale)
+        scale = max(max_abs(q), 1e-12)
+        worst = max(worst, max_abs(p.detach().double() - q.detach().double().to(p.device)) / scale)
     return worst
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from course_lib.errors import UserError
 
 
-def _groups(channels: int, preferred: int = 32) -> int:
+def group_count(channels: int, preferred: int = 32) -> int:
     """The GroupNorm group count for `channels`: the largest <= preferred with >= 2 channels per group."""
     for g in range(min(preferred, channels), 0, -1):
         if channels % g == 0 and channels // g >= 2 or g == 1:
@@ -25,7 +25,7 @@ def _norm_layer(norm: str | None, width: int) -> nn.Module:
     if norm == "batch":
         return nn.BatchNorm1d(width)
     if norm == "group":
-        return nn.GroupNorm(_groups(width), width)
+        return nn.GroupNorm(group_count(width), width)
     raise UserError(f"unknown norm {norm!r}: use None, 'layer', 'batch' or 'group'")
 
 

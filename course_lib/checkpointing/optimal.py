@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from course_lib.checkpointing.plans import Plan, StackModel, _check_n
+from course_lib.checkpointing.plans import Plan, StackModel, check_layer_count
 from course_lib.errors import UserError
 from course_lib.measure import format_bytes
 
@@ -28,7 +28,7 @@ def all_plans(n_layers: int) -> Iterator[Plan]:
 
     F(2n+1) plans (1597 for 8 layers): for brute force on small stacks only (lesson 3).
     """
-    _check_n(n_layers)
+    check_layer_count(n_layers)
 
     def rest(i: int):
         if i == n_layers:

@@ -28,7 +28,7 @@ Plan = list[tuple[int, int]]
 PLAN_NAMES = ("none", "every-layer", "sqrt", "every-K", "hf-every-K")
 
 
-def _check_n(n_layers) -> None:
+def check_layer_count(n_layers) -> None:
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
         raise UserError(f"n_layers must be a positive integer, got {n_layers!r}")
 
@@ -46,7 +46,7 @@ def named_plan(n_layers: int, name: str) -> Plan:
     - "hf-every-K": Hugging Face's `every_n_layers=K`: layers 0, K, 2K, ... each checkpointed alone,
       the others unchecked.
     """
-    _check_n(n_layers)
+    check_layer_count(n_layers)
     if not isinstance(name, str):
         raise UserError(f"plan must be a string, one of {', '.join(PLAN_NAMES)}; got {name!r}")
     key = name.strip().lower()
@@ -77,7 +77,7 @@ def segments_plan(n_layers: int, k: int, *, checkpoint_last: bool = False) -> Pl
     With `checkpoint_last=False` (the default, like `checkpoint_sequential`) the last segment runs
     normally: k = 1 is then no checkpointing.
     """
-    _check_n(n_layers)
+    check_layer_count(n_layers)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_layers:
         raise UserError(f"k must be an integer from 1 to n_layers={n_layers}, got {k!r}")
     size, extra = divmod(n_layers, k)

@@ -148,7 +148,7 @@ def check_accumulate_gradients(accumulate_gradients: Callable) -> None:
     passed("Correct: your accumulated gradients equal the whole window's, padding and empty micro-batches included.")
 
 
-class _Probe:
+class StepProbe:
     """Counts optimizer and scheduler steps and records whether gradients were None at each forward."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
@@ -175,7 +175,7 @@ class _Probe:
         self.grads_zero_tensors_at_forward.append(all(p.grad is not None and not p.grad.any() for p in self.params))
 
 
-def _setup(factory, lr: float = 0.5):
+def model_optimizer_scheduler(factory, lr: float = 0.5):
     model = factory()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
@@ -270,7 +270,7 @@ class _DataParallelStandIn(torch.nn.Module):
 
 def _check_no_sync(train: Callable) -> None:
     batches = padded_token_batches(6, batch_size=2, seed=17)  # K=4: a window of 4, then one of 2
-    model, optimizer, scheduler = _setup(lambda: _DataParallelStandIn(TinyTokenLM()))
+    model, optimizer, scheduler = model_optimizer_scheduler(lambda: _DataParallelStandIn(TinyTokenLM()))
     train(
         model=model,
         optimizer=optimizer,
@@ -284,7 +284,7 @@ def _check_no_sync(train: Callable) -> None:
     expected = [True, True, True, False, True, False]
     got = model.quiet_forwards
     if got == expected:
-        truth, t_opt, t_sched = _setup(TinyTokenLM)
+        truth, t_opt, t_sched = model_optimizer_scheduler(TinyTokenLM)
         train_whole_windows(truth, t_opt, batches, TokenLoss(), 4, scheduler=t_sched)
         diff = max_weight_difference(model.module, truth)
         if not diff <= WEIGHT_TOLERANCE:
@@ -313,7 +313,7 @@ def _check_no_sync(train: Callable) -> None:
 
 
 def _check_training_loop(train: Callable) -> None:
-    model, optimizer, scheduler = _setup(lambda: tiny_mlp("layer"))
+    model, optimizer, scheduler = model_optimizer_scheduler(lambda: tiny_mlp("layer"))
     for bad in (0, -1):
         try:
             train(
@@ -335,8 +335,8 @@ def _check_training_loop(train: Callable) -> None:
     for name, factory, make_batches, loss, k, max_norm, init_scale, hint in _SCENARIOS:
         batches = make_batches()
         windows = -(-len(batches) // k)
-        model, optimizer, scheduler = _setup(factory)
-        probe = _Probe(model, optimizer, scheduler)
+        model, optimizer, scheduler = model_optimizer_scheduler(factory)
+        probe = StepProbe(model, optimizer, scheduler)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10**6) if init_scale else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the scheduler-before-optimizer warning of a wrong loop
@@ -389,7 +389,7 @@ def _check_training_loop(train: Callable) -> None:
                 f"{name}: gradients were reset inside a window. Zero them once per window, "
                 "after the optimizer step: the micro-batches of a window must add up."
             )
-        truth, t_opt, t_sched = _setup(factory)
+        truth, t_opt, t_sched = model_optimizer_scheduler(factory)
         train_whole_windows(truth, t_opt, batches, loss, k, scheduler=t_sched, max_grad_norm=max_norm)
         diff = max_weight_difference(model, truth)
         if not diff <= WEIGHT_TOLERANCE:

@@ -24,7 +24,7 @@ from course_lib.accumulation import (
     train_whole_windows,
 )
 from course_lib.accumulation import loop as reference_loop
-from course_lib.checks.accumulation import WEIGHT_TOLERANCE, _Probe, _setup
+from course_lib.checks.accumulation import WEIGHT_TOLERANCE, StepProbe, model_optimizer_scheduler
 from course_lib.checks.hints import passed, refuse_reference
 
 __all__ = ["check_finish_window"]
@@ -76,8 +76,8 @@ _WINDOW_SCENARIOS = [
 def _check_finish_window(finish_window: Callable) -> None:
     for name, factory, make_batches, loss, k, max_norm, init_scale, skipped in _WINDOW_SCENARIOS:
         batches = make_batches()
-        model, optimizer, scheduler = _setup(factory)
-        probe = _Probe(model, optimizer, scheduler)
+        model, optimizer, scheduler = model_optimizer_scheduler(factory)
+        probe = StepProbe(model, optimizer, scheduler)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10**6) if init_scale else None
         returned, steps_before = [], 0
         for start in range(0, len(batches), k):  # the lesson's accumulation of a window, right
@@ -132,7 +132,7 @@ def _check_finish_window(finish_window: Callable) -> None:
                 "scaler.step(optimizer), which lowers the scale after a skipped step"
             )
         kept = [mb for i, mb in enumerate(batches) if i // k not in skipped]
-        truth, t_opt, t_sched = _setup(factory)
+        truth, t_opt, t_sched = model_optimizer_scheduler(factory)
         train_whole_windows(truth, t_opt, kept, loss, k, scheduler=t_sched, max_grad_norm=max_norm)
         diff = max_weight_difference(model, truth)
         if not diff <= WEIGHT_TOLERANCE:

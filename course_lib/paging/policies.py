@@ -50,7 +50,7 @@ class OutOfDeviceMemory(RuntimeError):
         self.requested, self.available = requested, available
 
 
-def _positive(name: str, value: float) -> None:
+def require_positive(name: str, value: float) -> None:
     validate.positive(name, value, error=PagingError)
 
 
@@ -100,7 +100,7 @@ class Hardware:
             "cpu_adam_rate",
             "link_bandwidth",
         ):
-            _positive(name, getattr(self, name))
+            require_positive(name, getattr(self, name))
         if (
             not isinstance(self.fault_latency, (int, float))
             or not math.isfinite(self.fault_latency)
@@ -117,7 +117,7 @@ class Hardware:
         500 M parameters/s of host AdamW (lesson 4 measures your CPU's)."""
         context = validate.non_negative_int("context (bytes)", context, error=PagingError)
         _share_of_the_link(prefetch_efficiency)
-        _positive("flops", flops)
+        require_positive("flops", flops)
         return cls(
             name="T4 (PCIe 3.0 x16)",
             memory=15360 * MiB - context,
@@ -150,7 +150,7 @@ class Hardware:
 
     def scaled_link(self, factor: float) -> Hardware:
         """The same GPU behind a link `factor` times as fast (all host transfers scale)."""
-        _positive("factor", factor)
+        require_positive("factor", factor)
         return replace(
             self,
             h2d_bandwidth=self.h2d_bandwidth * factor,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from course_lib import validate
 from course_lib.measure import MiB, format_bytes
-from course_lib.paging.policies import GB, Hardware, PagingError, Policy, _positive
+from course_lib.paging.policies import GB, Hardware, PagingError, Policy, require_positive
 from course_lib.paging.simulator import SimulationResult, simulate
 from course_lib.paging.trace import (
     ParamSpec,
@@ -161,7 +161,7 @@ def evicted_per_step_cost(
     small for it, so every step moves it all. Returns the steady step's evicted GB and milliseconds
     per evicted GB of migrating it back (what bitsandbytes' estimate counts), of evicting it, and
     of both."""
-    _positive("gigabytes", gigabytes)
+    require_positive("gigabytes", gigabytes)
     hw = hardware or Hardware.pcie3_x16()
     n_params = int(gigabytes * GB / 8)
     per_tensor = 4 * 2**20
@@ -226,7 +226,7 @@ def compare_strategies(
 def bnb_estimate_ms(evicted_gb: float, link_gb_per_s: float = 16.0, efficiency: float = 0.5) -> float:
     """bitsandbytes' documented estimate (lesson 4): evicting `evicted_gb` GB per step costs
     evicted_gb / (link * efficiency) seconds (1 GB on PCIe 3.0 x16: 125 ms)."""
-    _positive("link_gb_per_s", link_gb_per_s)
-    _positive("efficiency", efficiency)
+    require_positive("link_gb_per_s", link_gb_per_s)
+    require_positive("efficiency", efficiency)
     validate.finite("evicted_gb", evicted_gb, at_least=0, error=PagingError)
     return 1e3 * evicted_gb / (link_gb_per_s * efficiency)
