@@ -33,7 +33,7 @@ from course_lib.models import model_spec
 from course_lib.planner import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
 from course_lib.planner.config.setup import FSDP_WRAP_FROM
 from course_lib.planner.parallel.fsdp_wrap import after_wrap
-from course_lib.planner.trace.checkpointed import planned_stream
+from course_lib.planner.trace.step_trace import trace_request
 
 DATA = Path(__file__).with_name("data") / "published_runs.csv"
 UNITS = {"bytes": 1, "MB": 10**6, "MiB": MiB, "GB": 10**9, "GiB": GiB}
@@ -315,7 +315,7 @@ def limit_lines(results: list[Result]) -> list[str]:
         if line is None or not line.retries:
             continue
         top = line.capacity - line.context - line.managed
-        largest = max(planned_stream(model_spec(result.row["model"]), setup_of(result.row)))
+        largest = max(trace_request(model_spec(result.row["model"]), setup_of(result.row), "cuda").stream())
         lines.append(
             f"{result.row['id']}: at the card's limit: the replay's reserve passes what CUDA gives, the "
             f"allocations fit; the allocator frees its cache and retries, and max_memory_reserved stops where "

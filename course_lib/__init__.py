@@ -1,11 +1,12 @@
 """Memory tricks course library: the tested code behind every lesson of the course.
 
-`%load_ext course_lib` in a notebook registers the `%%gpu_only` cell magic (lesson 0, "Setup").
+`%load_ext course_lib` in a notebook registers the `%%gpu_only` cell magic (lesson 0, "Setup"). Its modules
+and their floors: docs/architecture.md.
 """
 
 import logging
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # bitsandbytes on a CPU warns at import that an optional kernel (fetched from a model hub, which the
 # course never reaches) is missing; nothing of the course needs it. Only that one module is silenced.

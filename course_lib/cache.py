@@ -5,7 +5,7 @@ planner"). Each kind's reader and writer live with its type: `models.cached_para
 A trace depends only on the config, the setup's traced fields, the target, the libraries that run it
 and the tracer's own code; a parameter list only on the config and the libraries; a config
 (model_config.SavedConfig) on the file it was read from. All of them are in the key
-(`trace._trace_key`, the config's JSON or the file's contents, the torch, transformers and peft
+(`planner.trace.model.trace_key`, the config's JSON or the file's contents, the torch, transformers and peft
 versions, a digest of course_lib's sources), so a changed file, library or course_lib never reads an
 old entry. A second `course-lib plan` of a bundled model or a config.json in a setup it planned
 before (each trick of "what makes it fit" is one) imports neither transformers nor peft, builds no
@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -46,8 +46,31 @@ def _fingerprint() -> str:
     return digest.hexdigest()
 
 
+_MEMO: dict[tuple, object] = {}
+
+
+def memo(kind: str, key: Hashable, make: Callable):
+    """`make()` kept for the process under (kind, key) and the cache's folder: the one in-process cache,
+    for what the later stages of a request and the fit search's candidates ask again (a trace, an allocation
+    stream, a slack). Keyed as the disk cache is, so a value never outlives what it was made from."""
+    where = (str(cache_dir()), kind, key)
+    if where not in _MEMO:
+        _MEMO[where] = make()
+    return _MEMO[where]
+
+
+def clear_memo() -> None:
+    """Forget what `memo` kept (a test's or a benchmark's cold start; the disk cache stays)."""
+    _MEMO.clear()
+
+
 def cached(kind: str, key: str, make: Callable, to_json: Callable, from_json: Callable):
-    """`from_json` of what is kept on disk for (kind, key), or `make()` kept there as `to_json` of it."""
+    """`from_json` of what is kept on disk for (kind, key), or `make()` kept there as `to_json` of it; either
+    kept in the process too (`memo`)."""
+    return memo(kind, key, lambda: _on_disk(kind, key, make, to_json, from_json))
+
+
+def _on_disk(kind: str, key: str, make: Callable, to_json: Callable, from_json: Callable):
     folder = cache_dir()
     if folder is None:
         return make()

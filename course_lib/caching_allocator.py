@@ -249,3 +249,26 @@ def concatenated(*streams: list[int | None]) -> list[int | None]:
         out += [entry if entry is EMPTY_CACHE or entry >= 0 else entry - made for entry in stream]
         made += sum(1 for entry in stream if entry is not EMPTY_CACHE and entry >= 0)
     return out
+
+
+def stream_slack(stream: list[int], peak: int, empty_cache: bool = False) -> int:
+    """What the caching allocator reserves beyond `peak` (the step's most live bytes) for the traced
+    step run twice, what the first left alive (the gradients) freed in between as `zero_grad` does
+    (lesson 1). `empty_cache`: the loop calls torch.cuda.empty_cache() after each step (peft's
+    MetaMathQA run.py), with the gradients still alive, so the second step finds only the segments of
+    what lives on."""
+    return max(0, replay(two_steps(stream, empty_cache)).peak_reserved - peak)
+
+
+def two_steps(stream: list[int], empty_cache: bool = False) -> list[int | None]:
+    """The step's stream run twice as `stream_slack` replays it, ready for `caching_allocator.replay`."""
+    made = sum(1 for entry in stream if entry >= 0)
+    freed = {~entry for entry in stream if entry < 0}
+    between = [~i for i in range(made) if i not in freed]  # what the first step left alive (the gradients)
+    return concatenated(list(stream) + ([EMPTY_CACHE] if empty_cache else []) + between, stream)
+
+
+def stream_slacks(stream: list[int], peak: int) -> dict[str, int]:
+    """`Trace.allocator_slack` and `allocator_slack_emptied` of a step's stream: `stream_slack` with the
+    cache kept between the two steps and emptied (lesson 1)."""
+    return {"allocator_slack": stream_slack(stream, peak), "allocator_slack_emptied": stream_slack(stream, peak, True)}

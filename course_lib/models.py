@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from course_lib.cache import cached, cached_answer
+from course_lib.cache import cached, cached_answer, memo
 from course_lib.layers import layer_of_each_module
 from course_lib.model_config import (  # noqa: F401
     CONFIG_DIR,
@@ -190,8 +189,7 @@ def spec_from_model(model: torch.nn.Module, name: str, config=None) -> ModelSpec
     return ModelSpec(name, config if config is not None else getattr(model, "config", None), tuple(infos))
 
 
-@lru_cache(maxsize=64)
-def _cached_spec(key: str, stamp: tuple | None) -> ModelSpec:  # stamp: see config_stamp
+def _spec_of(key: str) -> ModelSpec:
     config = read_config(key)
     name = key if key in bundled_models() else Path(key).parent.name if key.endswith("config.json") else Path(key).stem
 
@@ -224,7 +222,7 @@ def cached_params(config_json: str, make) -> tuple[ParamInfo, ...]:
 def model_spec(name_or_path: str | Path) -> ModelSpec:
     """The exact parameter tensors of a bundled model or config.json, from a meta-device build."""
     key = config_key(name_or_path)
-    return _cached_spec(key, config_stamp(key))
+    return memo("spec", (key, config_stamp(key)), lambda: _spec_of(key))  # stamp: see config_stamp
 
 
 def count_parameters(name_or_path: str | Path) -> int:

@@ -1,4 +1,4 @@
-"""The house has floors (CONTRIBUTING.md, "Layout"): every module of course_lib imports only from its own
+"""The house has floors (docs/architecture.md): every module of course_lib imports only from its own
 floor or below, the import graph has no cycle, a function-local import only keeps a heavy library off the
 import path (and says so), and no file is longer than one job needs."""
 
@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).parents[1] / "course_lib"
 
-# From the bottom up; a module's floor is that of the longest prefix listed (CONTRIBUTING.md's picture).
+# From the bottom up; a module's floor is that of the longest prefix listed (docs/architecture.md's picture).
 FLOORS = [
     (
         "infrastructure",
@@ -41,7 +41,17 @@ FLOORS = [
             "course_lib.toolbox",
         ],
     ),
-    ("planner", ["course_lib.planner"]),
+    # the planner's stages, each on a floor of its own (docs/architecture.md): a stage imports only those below
+    ("planner: config", ["course_lib.planner.config"]),
+    ("planner: states", ["course_lib.planner.states"]),
+    ("planner: trace", ["course_lib.planner.trace"]),
+    ("planner: phases", ["course_lib.planner.phases"]),
+    ("planner: allocator", ["course_lib.planner.allocator"]),
+    ("planner: parallel", ["course_lib.planner.parallel"]),
+    ("planner: report", ["course_lib.planner.report"]),
+    ("planner: predict", ["course_lib.planner.predict"]),
+    ("planner: search", ["course_lib.planner.search"]),
+    ("planner: entry", ["course_lib.planner.entry", "course_lib.planner"]),
     ("capstone", ["course_lib.qlora"]),
     ("on top", ["course_lib.checks", "course_lib.grading", "course_lib.plots", "course_lib.widgets", "course_lib.cli"]),
 ]
@@ -117,7 +127,7 @@ def _floor(name: str) -> int:
         for prefix in prefixes:
             if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
                 best, floor = len(prefix), index
-    assert floor is not None, f"{name} is on no floor: add it to FLOORS and to CONTRIBUTING.md's picture"
+    assert floor is not None, f"{name} is on no floor: add it to FLOORS and to docs/architecture.md's picture"
     return floor
 
 
@@ -190,6 +200,58 @@ def test_a_function_local_import_only_keeps_a_heavy_library_off_the_import_path_
                     + ("" if said else " without a comment saying why")
                 )
     assert wrong == []
+
+
+def _private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Each name starting with `_` that this module imports from another course_lib module, or reads as an
+    attribute of one it imported (`module._name`)."""
+    private = lambda attr: attr.startswith("_") and not attr.startswith("__")  # noqa: E731
+    found, aliases, seen = [], {}, set()
+    for target, node, _ in _imports(name, path, modules):
+        if not target.startswith("course_lib") or id(node) in seen:
+            continue
+        seen.add(id(node))  # an ImportFrom's first target is the module it imports from
+        for alias in node.names:
+            if isinstance(node, ast.Import):
+                aliases[alias.asname or alias.name.split(".")[0]] = alias.name
+            elif f"{target}.{alias.name}" in modules:
+                aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
+            elif private(alias.name) and target != name:
+                found.append(f"{name}:{node.lineno} imports {target}.{alias.name}")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name):
+            module = aliases.get(node.value.id)
+            if module is not None and module != name:
+                found.append(f"{name}:{node.lineno} reads {module}.{node.attr}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A name starting with `_` is its module's own: another module that needs it needs a public name."""
+    modules = _modules()
+    assert [line for name, path in modules.items() for line in _private_imports(name, path, modules)] == []
+
+
+def test_the_private_name_finder_finds_both_kinds(tmp_path):
+    (tmp_path / "a.py").write_text("def _hidden():\n    pass\n")
+    (tmp_path / "b.py").write_text("from course_lib.a import _hidden\nfrom course_lib import a\na._hidden()\n")
+    modules = {
+        "course_lib": tmp_path / "__init__.py",
+        "course_lib.a": tmp_path / "a.py",
+        "course_lib.b": tmp_path / "b.py",
+    }
+    assert _private_imports("course_lib.b", tmp_path / "b.py", modules) == [
+        "course_lib.b:1 imports course_lib.a._hidden",
+        "course_lib.b:3 reads course_lib.a._hidden",
+    ]
+
+
+def test_a_planner_stage_above_another_is_refused():
+    """The stages' floors are in pipeline order: the trace below the allocator, the report below predict."""
+    order = [_floor(f"course_lib.planner.{stage}.x") for stage in ("config", "states", "trace", "allocator")]
+    assert order == sorted(order) and len(set(order)) == len(order)
+    assert _floor("course_lib.planner.search.fit") > _floor("course_lib.planner.predict")
+    assert _floor("course_lib.planner") == _floor("course_lib.planner.entry")
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))

@@ -12,7 +12,7 @@ from course_lib import planner
 from course_lib.models import model_spec
 from course_lib.planner.trace.compose import composed_trace, shallow_spec
 from course_lib.planner.trace.deep_stream import deep_stream, live_peak
-from course_lib.planner.trace.step import _trace
+from course_lib.planner.trace.step import trace_in_full
 
 CASES = [
     ("qwen2.5-0.5b", dict(precision="bf16", lora_rank=8, seq=128), 1),
@@ -24,8 +24,8 @@ CASES = [
 @pytest.mark.parametrize("name, options, period", CASES)
 def test_the_deep_stream_is_the_full_traces_entry_for_entry(name, options, period):
     spec, setup = model_spec(name), planner.Setup(**options).validate()
-    small, large = (_trace(shallow_spec(spec, k * period), setup, "cuda") for k in (3, 4))
-    full = _trace(spec, setup, "cuda")
+    small, large = (trace_in_full(shallow_spec(spec, k * period), setup, "cuda") for k in (3, 4))
+    full = trace_in_full(spec, setup, "cuda")
     stream = deep_stream(small, large, spec.n_layers, period)
     assert stream == list(full.stream) and len(stream) > len(large.stream)
     peak = max(full.forward_peak, full.head_backward_peak, full.layer_backward_peak, full.tail_backward_peak)
@@ -34,7 +34,7 @@ def test_the_deep_stream_is_the_full_traces_entry_for_entry(name, options, perio
 
 def test_layers_that_do_not_repeat_give_no_deep_stream():
     spec, setup = model_spec("qwen2.5-0.5b"), planner.Setup(precision="bf16", seq=128).validate()
-    small, large = (_trace(shallow_spec(spec, k), setup, "cuda") for k in (3, 4))
+    small, large = (trace_in_full(shallow_spec(spec, k), setup, "cuda") for k in (3, 4))
     assert deep_stream(small, large, spec.n_layers, 1) is not None
     changed = replace(large, stream=large.stream[:-1] + (large.stream[-1] + 512,))  # one entry of the copy differs
     assert deep_stream(small, changed, spec.n_layers, 1) is None
@@ -51,7 +51,7 @@ def test_layers_that_do_not_repeat_give_no_deep_stream():
 )
 def test_a_composed_traces_slack_is_its_full_traces(name, options):
     spec, setup = model_spec(name), planner.Setup(**options).validate()
-    full, composed = _trace(spec, setup, "cuda"), composed_trace(spec, setup, "cuda", _trace)
+    full, composed = trace_in_full(spec, setup, "cuda"), composed_trace(spec, setup, "cuda", trace_in_full)
     assert composed is not None and composed.allocator_slack_emptied > 0
     assert (composed.allocator_slack, composed.allocator_slack_emptied) == (
         full.allocator_slack,
@@ -79,13 +79,15 @@ def test_a_composed_traces_slack_is_its_full_traces(name, options):
 def test_the_checkpointed_deep_stream_is_the_full_checkpointed_traces(name, options):
     """Every layer checkpointed, the deep model's stream built from the 3- and 4-layer copies is the stream of
     the checkpointed step traced on every layer, entry for entry; another plan is traced on the 3-layer copy."""
-    from course_lib.planner.trace.checkpointed import _traced, checkpointed_stream
+    from course_lib.planner.trace.checkpointed import checkpointed_stream, checkpointed_tracer
 
     spec = model_spec(name)
     setup = planner.Setup(checkpointing="every-layer", **options).validate()
-    full = _traced(spec, spec, spec.n_layers, setup, "cuda")
+    full = checkpointed_tracer(spec, spec, spec.n_layers, setup, "cuda")
     stream, peak = checkpointed_stream(spec, setup)
-    small = _traced(spec, shallow_spec(spec, 3), 3, setup, "cuda")
+    small = checkpointed_tracer(spec, shallow_spec(spec, 3), 3, setup, "cuda")
     assert stream == list(full.stream) and len(stream) > len(small.stream) and peak == full.peak
     other = replace(setup, checkpointing="every-2")
-    assert checkpointed_stream(spec, other)[0] == list(_traced(spec, shallow_spec(spec, 3), 3, other, "cuda").stream)
+    assert checkpointed_stream(spec, other)[0] == list(
+        checkpointed_tracer(spec, shallow_spec(spec, 3), 3, other, "cuda").stream
+    )

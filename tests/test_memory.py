@@ -303,7 +303,7 @@ def test_a_dropout_keeps_a_one_byte_mask_on_cuda_and_noise_of_the_inputs_dtype_o
     runs `native_dropout` on CUDA)."""
     from transformers import AutoConfig
 
-    from course_lib.planner.trace.step import _trace
+    from course_lib.planner.trace.step import trace_in_full
 
     def saved(p: float, target: str) -> int:
         config = AutoConfig.for_model(
@@ -319,7 +319,7 @@ def test_a_dropout_keeps_a_one_byte_mask_on_cuda_and_noise_of_the_inputs_dtype_o
             bos_token_id=0,
             eos_token_id=0,
         )
-        trace = _trace(
+        trace = trace_in_full(
             spec_from_model(build_model(config), "tiny-gpt2", config), Setup(precision="fp32", batch=2, seq=32), target
         )
         return sum(trace.saved) + trace.saved_outside

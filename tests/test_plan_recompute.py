@@ -35,7 +35,7 @@ def test_fed_its_climbs_the_cost_model_gives_the_traced_backward_peak_without_ch
     from course_lib import checkpointing
     from course_lib.models import model_spec
     from course_lib.planner.trace.compose import shallow_spec
-    from course_lib.planner.trace.step import _trace
+    from course_lib.planner.trace.step import trace_in_full
 
     def cost_model_peak(trace, with_grads):  # what the planner feeds lesson 3's cost model for a plan
         return checkpointing.plan_cost(
@@ -50,6 +50,6 @@ def test_fed_its_climbs_the_cost_model_gives_the_traced_backward_peak_without_ch
         ).peak_bytes
 
     for setup in (Setup(precision="mixed-bf16", batch=2, seq=64), Setup(precision="bf16", lora_rank=4, seq=48)):
-        trace = _trace(shallow_spec(model_spec("llama-3.2-1b"), 3), setup, "cpu")
+        trace = trace_in_full(shallow_spec(model_spec("llama-3.2-1b"), 3), setup, "cpu")
         assert cost_model_peak(trace, True) == trace.layer_backward_peak
         assert cost_model_peak(trace, False) == trace.layer_backward_peak_without_grads

@@ -11,18 +11,13 @@ import pytest
 import torch
 
 from course_lib import cli, planner
-from course_lib.caching_allocator import MiB, replay
+from course_lib.caching_allocator import MiB, replay, stream_slack
 from course_lib.measure import GiB, LiveStorageTracker
 from course_lib.models import model_spec
-from course_lib.planner.allocator.reserved import (
-    CUBLAS_WORKSPACE,
-    CUBLAS_WORKSPACE_SM90,
-    AllocationStream,
-    cublas_workspaces,
-    stream_slack,
-)
+from course_lib.planner.allocator.reserved import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, cublas_workspaces
 from course_lib.planner.trace.deep_stream import live_peak
-from course_lib.planner.trace.step import _trace
+from course_lib.planner.trace.step import trace_in_full
+from course_lib.planner.trace.tracer import AllocationStream
 
 
 class _Recorder(AllocationStream, LiveStorageTracker):
@@ -43,7 +38,7 @@ def test_the_stream_records_every_allocation_and_its_free():
 def test_a_stream_replayed_peaks_at_the_trackers_peak_rounded():
     spec = model_spec("gpt2")
     setup = planner.Setup(precision="amp-fp16", seq=128).validate()
-    trace = _trace(spec, setup, "cuda")
+    trace = trace_in_full(spec, setup, "cuda")
     stream, peak = list(trace.stream), live_peak(list(trace.stream))
     stats = replay(stream)
     frees = sum(1 for entry in stream if entry < 0)
@@ -155,7 +150,7 @@ def _measured_slack(spec, setup, plan=None) -> int:
     `plan` applied by lesson 3's apply_plan, as the planner applies it."""
     from course_lib.checkpointing import apply_plan
     from course_lib.models import build_model, transformers_config
-    from course_lib.planner.trace.step import _MetaTracer
+    from course_lib.planner.trace.tracer import MetaTracer
 
     torch.manual_seed(0)
     model = build_model(transformers_config(spec.config), "cpu", dtype=torch.float32)
@@ -163,7 +158,7 @@ def _measured_slack(spec, setup, plan=None) -> int:
     if plan is not None:
         apply_plan(model, plan)
     ids = torch.randint(0, spec.config.vocab_size, (setup.batch, setup.seq))
-    tracer = _MetaTracer()
+    tracer = MetaTracer()
     for tensor in [ids, *model.parameters(), *model.buffers()]:
         tracer.exclude(tensor)
     with tracer:
@@ -181,7 +176,7 @@ def _checkpointed_slack(spec, setup, target: str) -> int:
 
 
 def test_the_checkpointed_steps_slack_is_the_real_checkpointed_steps(tmp_path):
-    """`checkpointed_slack` replays the checkpointed step's own allocations: the meta-device trace gives the
+    """`StepTrace.checkpointed_slack` replays the checkpointed step's own allocations: the meta-device trace gives the
     slack the same step's stream gives on this CPU, byte for byte, and it is not the plain step's (a Llama
     256 wide: its MLP and logits blocks come from the allocator's large pool)."""
     from course_lib.qlora import tiny_llama_config
@@ -198,14 +193,15 @@ def test_under_checkpointing_the_reserve_is_the_checkpointed_steps():
     """On a GPU a checkpointing plan's reserve holds the checkpointed step's slack, not the plain step's scaled
     down with the activations: the deep model's checkpointed stream (Llama-2-7B QLoRA at 4 x 2048, every layer
     checkpointed) replayed twice, which the plan's reserve holds beyond its allocations."""
-    from course_lib.planner.trace.checkpointed import checkpointed_slack, checkpointed_stream
+    from course_lib.planner.trace.checkpointed import checkpointed_stream
+    from course_lib.planner.trace.step_trace import trace_request
 
     spec = model_spec("llama-2-7b")
     setup = planner.Setup(
         precision="bf16", lora_rank=64, quant="nf4", batch=4, seq=2048, checkpointing="every-layer"
     ).validate()
     stream, peak = checkpointed_stream(spec, setup)
-    slack = checkpointed_slack(spec, setup)
+    slack = trace_request(spec, setup, "cuda").checkpointed_slack()
     assert slack == stream_slack(stream, peak) > 256 * MiB and peak == live_peak(stream)
     on_gpu = planner.plan(spec, setup, gpu="rtx3090", suggest=False).oom_line
     assert on_gpu.reserved - on_gpu.allocated >= slack  # the plain step's scaled down with the activations: 0.12 GiB

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from course_lib import cli, models
+from course_lib import cache, cli, models
 from course_lib.model_config import SavedConfig, bundled_models, config_class_name, load_config, transformers_config
 
 READ_BY_THE_PLANNER = (
@@ -77,11 +77,10 @@ def test_an_edited_config_json_is_read_again(monkeypatch, tmp_path):
 def test_a_second_plan_imports_neither_transformers_nor_peft(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
     argv = ["plan", "gpt2", "--gpu", "t4", "--lora-rank", "8", "--seq", "256"]
-    models._cached_spec.cache_clear()
-    monkeypatch.setattr("course_lib.planner.trace.step._TRACES", {})
+    cache.clear_memo()
     assert cli.main(argv) == 0  # the first plan: read, built and traced here, kept in tmp_path
     first = capsys.readouterr().out
-    models._cached_spec.cache_clear()
+    cache.clear_memo()
     code = (
         "import sys; from course_lib import cli; code = cli.main(sys.argv[1:]); "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'peft', 'bitsandbytes'}))"

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import planner
+from course_lib import cache, planner
 from course_lib.models import bundled_models, model_spec
 from course_lib.planner.trace import step as memory_trace
 from course_lib.planner.trace.compose import composed_trace, layer_period, shallow_spec
@@ -31,16 +31,16 @@ def test_the_composed_trace_is_the_full_trace(name):
             setup = replace(setup, attention="eager")
         if setup.lora_rank and any(len(info.shape) == 3 for info in spec.params):  # MoE: LoRA on its experts is refused
             setup = replace(setup, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
-        composed = composed_trace(deep, setup, target, memory_trace._trace)
+        composed = composed_trace(deep, setup, target, memory_trace.trace_in_full)
         assert composed is not None
-        assert composed == memory_trace._trace(deep, setup, target), (name, setup)
+        assert composed == memory_trace.trace_in_full(deep, setup, target), (name, setup)
 
 
 def test_gemma_2_alternates_two_layer_types_and_shallow_models_are_traced_in_full():
     assert layer_period(model_spec("gemma-2-2b").config) == 2
     assert layer_period(model_spec("llama-3.2-1b").config) == 1
     spec = model_spec("gpt2")
-    assert composed_trace(shallow_spec(spec, 5), planner.Setup(seq=16), "cpu", memory_trace._trace) is None
+    assert composed_trace(shallow_spec(spec, 5), planner.Setup(seq=16), "cpu", memory_trace.trace_in_full) is None
 
 
 def test_five_sliding_layers_to_one_global_are_composed_with_their_period():
@@ -65,9 +65,9 @@ def test_five_sliding_layers_to_one_global_are_composed_with_their_period():
 
     def counted(spec, setup, target):
         depths.append(spec.n_layers)
-        return memory_trace._trace(spec, setup, target)
+        return memory_trace.trace_in_full(spec, setup, target)
 
-    assert composed_trace(spec, setup, "cuda", counted) == memory_trace._trace(spec, setup, "cuda")
+    assert composed_trace(spec, setup, "cuda", counted) == memory_trace.trace_in_full(spec, setup, "cuda")
     assert layer_period(config) == 6 and depths == [18, 24]
 
 
@@ -75,21 +75,21 @@ def test_layers_that_do_not_repeat_are_traced_in_full():
     spec = shallow_spec(model_spec("llama-3.2-1b"), 6)
     spec.config.layer_types = ["full_attention"] * 5 + ["sliding_attention"]
     assert layer_period(spec.config) is None
-    assert composed_trace(spec, planner.Setup(seq=16), "cpu", memory_trace._trace) is None
+    assert composed_trace(spec, planner.Setup(seq=16), "cpu", memory_trace.trace_in_full) is None
 
 
 @pytest.fixture
 def traced(monkeypatch) -> list:
     """Each `_trace` call's (spec, setup), the traces kept neither in memory nor on disk."""
     calls = []
-    real = memory_trace._trace
+    real = memory_trace.trace_in_full
 
-    def spy(spec, setup, target):
+    def spy(spec, setup, target, **options):
         calls.append((spec, setup))
-        return real(spec, setup, target)
+        return real(spec, setup, target, **options)
 
-    monkeypatch.setattr(memory_trace, "_trace", spy)
-    monkeypatch.setattr(memory_trace, "_TRACES", {})
+    monkeypatch.setattr(memory_trace, "trace_in_full", spy)
+    cache.clear_memo()
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", "")
     return calls
 
@@ -105,12 +105,12 @@ def test_the_planner_uses_the_fast_path_for_a_deep_model(traced):
 
 def test_a_trace_kept_on_disk_is_the_trace(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(memory_trace, "_TRACES", {})
+    cache.clear_memo()
     setup = planner.Setup(lora_rank=4, seq=32)
     first = planner.plan("llama-3.2-1b", setup)
     assert len(list(tmp_path.glob("trace-*.json"))) == 1
-    monkeypatch.setattr(memory_trace, "_TRACES", {})
-    monkeypatch.setattr(memory_trace, "_trace", lambda *args: pytest.fail("traced again"))
+    cache.clear_memo()
+    monkeypatch.setattr(memory_trace, "trace_in_full", lambda *args, **options: pytest.fail("traced again"))
     assert planner.plan("llama-3.2-1b", setup).bytes == first.bytes
 
 
@@ -118,12 +118,12 @@ def test_a_refusal_kept_on_disk_is_not_traced_again(monkeypatch, tmp_path):
     """A setup the trace refuses (LoRA on Mixtral's 3-D experts) is refused again from the disk cache, the
     same line, without building the model: "what makes it fit" tries it for every plan of the model."""
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(memory_trace, "_TRACES", {})
+    cache.clear_memo()
     setup = planner.Setup(precision="bf16", lora_rank=16, seq=64)
     with pytest.raises(planner.PlanError) as first:
         planner.plan("mixtral-8x7b", setup)
-    monkeypatch.setattr(memory_trace, "_TRACES", {})
-    monkeypatch.setattr(memory_trace, "_build_traced_model", lambda *args: pytest.fail("built again"))
+    cache.clear_memo()
+    monkeypatch.setattr(memory_trace, "build_traced_model", lambda *args: pytest.fail("built again"))
     with pytest.raises(planner.PlanError) as again:
         planner.plan("mixtral-8x7b", setup)
     assert str(again.value) == str(first.value) and "experts is not modelled" in str(first.value)
@@ -133,12 +133,12 @@ def test_a_parameter_list_kept_on_disk_is_the_parameter_list(monkeypatch, tmp_pa
     from course_lib import models
 
     monkeypatch.setenv("COURSE_LIB_CACHE_DIR", str(tmp_path))
-    models._cached_spec.cache_clear()
+    cache.clear_memo()
     first = models.model_spec("qwen2.5-0.5b")
-    models._cached_spec.cache_clear()
+    cache.clear_memo()
     monkeypatch.setattr(models, "build_model", lambda *args, **kwargs: pytest.fail("built again"))
     again = models.model_spec("qwen2.5-0.5b")
-    models._cached_spec.cache_clear()
+    cache.clear_memo()
     assert again.params == first.params and again.n_params == models.PUBLISHED_PARAMETERS["qwen2.5-0.5b"]
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 
 from course_lib.course import wrapped
 from course_lib.measure import GiB, format_bytes
@@ -18,8 +20,7 @@ from course_lib.planner.parallel.fsdp_wrap import after_wrap, wrap_extra
 from course_lib.planner.parallel.sharded import sharded_values
 from course_lib.planner.phases.activations import step_phases
 from course_lib.planner.states.model_states import model_states, target_match
-from course_lib.planner.trace.checkpointed import checkpointed_slack
-from course_lib.planner.trace.step import trace_step
+from course_lib.planner.trace.step_trace import trace_request
 from course_lib.planner.trace.toolbox import toolbox_notes
 
 # the phases a chart draws (lesson 1), from those the planner computes (planner.phases.activations.PHASES)
@@ -65,7 +66,13 @@ class Plan:
     tricks: list[Trick] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     closing: str = ""  # when no trick makes it fit: where it would fit (planner.search.elsewhere)
-    oom_line: Reserved | None = None  # on a GPU: allocated, reserved, nvidia-smi against CUDA's capacity
+    # on a GPU: what makes `oom_line` (the replays of the step's stream take time; a rejected trick never asks)
+    make_oom_line: Callable[[], Reserved] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def oom_line(self) -> Reserved | None:
+        """On a GPU: allocated, reserved and nvidia-smi against CUDA's capacity; None without one."""
+        return None if self.make_oom_line is None else self.make_oom_line()
 
     @property
     def reserved(self) -> int | None:
@@ -233,7 +240,8 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
     detail: dict = {}
     # with only a parameter count: the step holds the model states and nothing else known
     phases = {"optimizer step": {"gradients": states.gradients, "activations": 0, "optimizer_temporaries": 0}}
-    trace = trace_step(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
+    step = trace_request(spec, setup, "cuda" if cuda else "cpu") if spec is not None else None
+    trace = step.trace if step is not None else None
     if spec is None:
         notes.append(
             "activations unknown: only a parameter count was given (name a model or a config.json "
@@ -357,23 +365,17 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
             f"so far; activations: saved for backward, the transients and the batch); "
             f"{_phase_line(phases)}"
         )
-    checkpointed = (
-        checkpointed_slack(spec, setup) if cuda and trace is not None and setup.checkpointing != "none" else None
-    )
     wrap = (
-        wrap_extra(spec, setup, state_blocks(spec, setup, states, values))
-        if cuda and spec is not None and setup.fsdp_wrap_from is not None
+        wrap_extra(step, state_blocks(spec, setup, states, values))
+        if cuda and step is not None and setup.fsdp_wrap_from is not None
         else 0
     )
-    oom_line = (
-        at_the_limit(
-            reserved_prediction(spec, setup, states, values, trace, card, detail, checkpointed, wrap),
-            spec if trace is not None else None,
-            setup,
-        )
-        if cuda
-        else None
-    )
+
+    def oom_line() -> Reserved:  # made when first asked: "what makes it fit" asks only of the setups it keeps
+        checkpointed = step.checkpointed_slack() if step is not None else None
+        line = reserved_prediction(spec, setup, states, values, trace, card, detail, checkpointed, wrap)
+        return at_the_limit(line, step)
+
     if setup.fsdp_wrap_from is not None and spec is not None:
         reserved, allocated = after_wrap(spec, setup)
         notes.append(
@@ -396,7 +398,17 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
             )
         )
     return Plan(
-        name, setup, n_params, states.trainable, values, spec is not None, detail, card, [], notes, oom_line=oom_line
+        name,
+        setup,
+        n_params,
+        states.trainable,
+        values,
+        spec is not None,
+        detail,
+        card,
+        [],
+        notes,
+        oom_line if cuda else None,
     )
 
 

@@ -13,35 +13,33 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from course_lib.cache import cached_answer
-from course_lib.caching_allocator import AllocatorOutOfMemory, replay
-from course_lib.models import ModelSpec
-from course_lib.planner.allocator.reserved import Reserved, two_steps
-from course_lib.planner.config.setup import Setup
-from course_lib.planner.trace.checkpointed import planned_stream
+from course_lib.caching_allocator import AllocatorOutOfMemory, replay, two_steps
+from course_lib.planner.allocator.reserved import Reserved
 from course_lib.planner.trace.deep_stream import live_peak
-from course_lib.planner.trace.step import _trace_key
+from course_lib.planner.trace.step_trace import StepTrace
 
 
-def at_the_limit(line: Reserved, spec: ModelSpec | None, setup: Setup, target: str = "cuda") -> Reserved:
+def at_the_limit(line: Reserved, step: StepTrace | None) -> Reserved:
     """`line` as it is where its reserve fits (or nothing would: the allocations alone pass the card, or there
     is no traced step); else the step's stream replayed twice with the room left beside what the plan holds
     outside it, the cache released and retried where it runs out: fits with `retries` and the reserve capped
     at the card's memory, or the line as it was (does not fit)."""
-    if line.fits or spec is None or line.held + line.context + line.managed > line.capacity:
+    if line.fits or step is None or line.held + line.context + line.managed > line.capacity:
         return line
     room = line.capacity - line.context - line.managed - line.held  # beside what the plan holds
-    key = (*_trace_key(spec, setup, target), "limit", setup.checkpointing, setup.empty_cache_each_step, room)
-    if not cached_answer("limit", repr(key), lambda: _runs(planned_stream(spec, setup, target), room, setup)):
+    empty = step.setup.empty_cache_each_step
+    if not step.answer(
+        "limit", ("limit", step.setup.checkpointing, empty, room), lambda: _runs(step.stream(), room, empty)
+    ):
         return line
     return replace(line, reserved=line.capacity - line.context - line.managed, retries=True)
 
 
-def _runs(stream: list[int], room: int, setup: Setup) -> bool:
+def _runs(stream: list[int], room: int, empty_cache: bool) -> bool:
     """Whether the step's stream, replayed twice, finds its blocks in `room` bytes beside its own live
     peak (which the plan's held bytes already count), the cache released and retried where it runs out."""
     try:
-        replay(two_steps(stream, setup.empty_cache_each_step), capacity=room + live_peak(stream))
+        replay(two_steps(stream, empty_cache), capacity=room + live_peak(stream))
     except AllocatorOutOfMemory:
         return False
     return True

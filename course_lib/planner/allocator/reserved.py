@@ -8,10 +8,10 @@ docs/references.md#pytorch-atensrcatencudacublashandlepoolcpp-cublas-workspaces)
 - the segments' rounding of the model states, replayed tensor by tensor through
   `course_lib.caching_allocator` (weights as loaded, the cuBLAS workspaces, master weights, optimizer
   state as the first step makes it);
-- the step's own: the traced step's allocations and frees replayed twice (`stream_slack`, kept in the
+- the step's own: the traced step's allocations and frees replayed twice (`caching_allocator.stream_slack`, kept in the
   trace; for a deep model from the stream `planner.trace.deep_stream` builds), the cache emptied in between
   where the loop calls torch.cuda.empty_cache() after each step (`Setup.empty_cache_each_step`); under
-  checkpointing the checkpointed step's own (`checkpointed.checkpointed_slack`), with offloaded
+  checkpointing the checkpointed step's own (`step_trace.StepTrace.checkpointed_slack`), with offloaded
   activations the plain step's scaled down with them;
 - the cuBLAS and cuBLASLt workspaces, which torch allocates through the caching allocator, one of each
   per (handle, stream): the main thread's handle (forward, optimizer step) and the autograd engine's
@@ -25,13 +25,11 @@ and paged optimizer state (managed memory, resident when there is room). Every f
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-import torch
-
-from course_lib.caching_allocator import EMPTY_CACHE, concatenated, replay
+from course_lib.cache import memo
+from course_lib.caching_allocator import replay
 from course_lib.measure import format_bytes
 from course_lib.planner.config.gpus import CUDA_CONTEXT_BYTES, GPU
 from course_lib.planner.states.model_states import state_tensor_bytes
@@ -43,69 +41,6 @@ CUBLAS_WORKSPACE = 2 * 4096 * 1024 + 8 * 16 * 1024
 CUBLAS_WORKSPACE_SM90 = 8 * 4096 * 1024
 CUBLASLT_WORKSPACE = 1024 * 1024
 CUBLAS_HANDLES = 2  # the main thread's and the autograd engine's CUDA device thread's (handles are per thread)
-
-
-class AllocationStream:
-    """A mixin for `course_lib.measure.LiveStorageTracker`: every allocation (its bytes) and free (`~i`,
-    the i-th allocation) of the region in order, as `caching_allocator.replay` takes them (lesson 1)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stream: list[int] = []
-        self.stream_index: dict = {}  # storage key -> its allocation's index
-        self.allocations = 0
-
-    def watch(self, tensor: torch.Tensor) -> None:
-        fresh = isinstance(tensor, torch.Tensor) and self.storage_key(tensor, tensor.untyped_storage()) not in self.live
-        super().watch(tensor)
-        if fresh:
-            key = self.storage_key(tensor, tensor.untyped_storage())
-            if key is not None and self.live.get(key):
-                self._stream_alloc(key, self.live[key])
-
-    def _stream_alloc(self, key, nbytes: int) -> None:
-        self.stream_index[key] = self.allocations
-        self.allocations += 1
-        self.stream.append(nbytes)
-
-    def _stream_free(self, key) -> None:
-        index = self.stream_index.pop(key, None)
-        if index is not None:
-            self.stream.append(~index)
-
-    def _freed(self, key, nbytes: int) -> None:
-        self._stream_free(key)
-        super()._freed(key, nbytes)
-
-    def _resized(self, key, nbytes: int) -> None:
-        if nbytes != self.live[key]:  # a resize_ is a new block
-            self._stream_free(key)
-            if nbytes:
-                self._stream_alloc(key, nbytes)
-        super()._resized(key, nbytes)
-
-
-def stream_slack(stream: list[int], peak: int, empty_cache: bool = False) -> int:
-    """What the caching allocator reserves beyond `peak` (the step's most live bytes) for the traced
-    step run twice, what the first left alive (the gradients) freed in between as `zero_grad` does
-    (lesson 1). `empty_cache`: the loop calls torch.cuda.empty_cache() after each step (peft's
-    MetaMathQA run.py), with the gradients still alive, so the second step finds only the segments of
-    what lives on."""
-    return max(0, replay(two_steps(stream, empty_cache)).peak_reserved - peak)
-
-
-def two_steps(stream: list[int], empty_cache: bool = False) -> list[int | None]:
-    """The step's stream run twice as `stream_slack` replays it, ready for `caching_allocator.replay`."""
-    made = sum(1 for entry in stream if entry >= 0)
-    freed = {~entry for entry in stream if entry < 0}
-    between = [~i for i in range(made) if i not in freed]  # what the first step left alive (the gradients)
-    return concatenated(list(stream) + ([EMPTY_CACHE] if empty_cache else []) + between, stream)
-
-
-def stream_slacks(stream: list[int], peak: int) -> dict[str, int]:
-    """`Trace.allocator_slack` and `allocator_slack_emptied` of a step's stream: `stream_slack` with the
-    cache kept between the two steps and emptied (lesson 1)."""
-    return {"allocator_slack": stream_slack(stream, peak), "allocator_slack_emptied": stream_slack(stream, peak, True)}
 
 
 def cublas_workspaces(gpu: GPU) -> list[int]:
@@ -120,10 +55,10 @@ def _split(total: int, shares: list[int]) -> list[int]:
     return [total * n // count for n in shares] if total > 0 and count else []
 
 
-@functools.lru_cache(maxsize=512)
 def _states_slack(sizes: tuple[int, ...]) -> int:
-    stats = replay(list(sizes))
-    return stats.peak_reserved - sum(sizes)
+    """What the segments of the model states' tensors, made in this order, reserve beyond their bytes; kept
+    for the process (`cache.memo`): the fit search's candidates share their states."""
+    return memo("states-slack", sizes, lambda: replay(list(sizes)).peak_reserved - sum(sizes))
 
 
 @dataclass(frozen=True)
@@ -229,7 +164,7 @@ def reserved_prediction(
     """The OOM line of one planned step on `gpu` (lesson 1): `values` are the plan's bytes by category
     (one GPU's share under --gpus), `states` its model states, `trace` its meta-device trace (None for a
     bare parameter count: then the step adds no slack), `detail` the plan's (FSDP1's stream pool),
-    `checkpointed` the slack of the step as its checkpointing plan runs it (`checkpointed.checkpointed_slack`),
+    `checkpointed` the slack of the step as its checkpointing plan runs it (`step_trace.StepTrace.checkpointed_slack`),
     which replaces the plain step's, `wrap` what FSDP1's wrap from the CPU leaves cached adds to it
     (`fsdp_wrap.wrap_extra`)."""
     allocated = values["total"] - values["overhead"]

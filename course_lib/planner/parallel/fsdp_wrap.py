@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import math
 
-from course_lib.cache import cached_answer
-from course_lib.caching_allocator import concatenated, replay
+from course_lib.caching_allocator import concatenated, replay, two_steps
 from course_lib.models import ModelSpec
-from course_lib.planner.allocator.reserved import two_steps
 from course_lib.planner.config.setup import Setup, itemsize
 from course_lib.planner.parallel.fsdp import stored_bytes
 from course_lib.planner.states.model_states import target_match
-from course_lib.planner.trace.checkpointed import planned_stream
-from course_lib.planner.trace.step import _trace_key
+from course_lib.planner.trace.step_trace import StepTrace
 
 PARAM_BROADCAST_BUCKET_SIZE = 250 * 1024 * 1024  # torch.distributed.fsdp._init_utils
 BROADCASTS_IN_FLIGHT = 2  # torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced: max_in_flight
@@ -150,7 +147,7 @@ def residue_extra(
     wrap: list[int], kept: list[int], step: list[int], states: list[int], empty_cache: bool = False
 ) -> int:
     """What the wrap's cache adds to the reserve of the steps after it (negative where the steps' blocks
-    fit in it): the wrap, the optimizer's state, the step twice (`reserved.two_steps`) replayed on one
+    fit in it): the wrap, the optimizer's state, the step twice (`caching_allocator.two_steps`) replayed on one
     allocator, less the wrap's kept bytes with the state and the two steps each replayed on their own (what
     the plan's reserve counts without the wrap: `reserved.reserved_prediction`)."""
     together = replay(concatenated(wrap, states, two_steps(step, empty_cache))).peak_reserved
@@ -158,11 +155,12 @@ def residue_extra(
     return together - apart
 
 
-def wrap_extra(spec: ModelSpec, setup: Setup, states: list[int], target: str = "cuda") -> int:
-    """`residue_extra` of the planned step after FSDP1's wrap from the CPU (`setup.fsdp_wrap_from`), on
-    rank 0: the checkpointed step's stream under a checkpointing plan, else the plain step's. Predicted."""
-    key = (
-        *_trace_key(spec, setup, target),
+def wrap_extra(step: StepTrace, states: list[int]) -> int:
+    """`residue_extra` of the planned step (`StepTrace.stream`: the checkpointed step's under a checkpointing
+    plan, else the plain step's) after FSDP1's wrap from the CPU (`setup.fsdp_wrap_from`), on rank 0.
+    Predicted."""
+    spec, setup = step.spec, step.setup
+    extra = (
         "fsdp-wrap",
         setup.fsdp_wrap_from,
         setup.shard,
@@ -172,13 +170,10 @@ def wrap_extra(spec: ModelSpec, setup: Setup, states: list[int], target: str = "
         setup.empty_cache_each_step,
         tuple(states),
     )
-
-    return cached_answer(
+    return step.answer(
         "wrap",
-        repr(key),
-        lambda: residue_extra(
-            *wrap_stream(spec, setup), planned_stream(spec, setup, target), states, setup.empty_cache_each_step
-        ),
+        extra,
+        lambda: residue_extra(*wrap_stream(spec, setup), step.stream(), states, setup.empty_cache_each_step),
     )
 
 

@@ -86,12 +86,15 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
     while not current.fits:
         for name, nxt, exact in _candidate_tricks(state, card):
             change = {key: value for key, value in vars(nxt).items() if getattr(state, key) != value}
-            try:  # a combination the planner refuses (Setup.validate) is no trick
+            try:  # a combination the planner refuses (Setup.validate, or its reserve's trace) is no trick
                 candidate = _with(setup, [c for _, c, _ in kept] + [change])
                 after = predict(model, candidate, card)
+                saves = current.total - after.total > current.total // 200  # something worth saying (> 0.5%)
+                if saves:
+                    after.oom_line  # noqa: B018 (made here, where a refusal is caught; only for a trick kept)
             except PlanError:
                 continue
-            if current.total - after.total > current.total // 200:  # saves something worth saying (> 0.5%)
+            if saves:
                 kept.append((name, change, exact))
                 state, current = candidate, after
                 break
@@ -102,10 +105,10 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
             rest = [trick for trick in kept if trick is not kept[index]]
             try:
                 without = predict(model, _with(setup, [c for _, c, _ in rest]), card)
+                if without.fits:
+                    kept = rest
             except PlanError:
                 continue
-            if without.fits:
-                kept = rest
     final = predict(model, _with(setup, [c for _, c, _ in kept]), card) if kept else current
     tricks: list[Trick] = []
     for index, (name, _, _) in enumerate(kept):

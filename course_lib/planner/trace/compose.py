@@ -17,8 +17,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+from course_lib.caching_allocator import stream_slacks
 from course_lib.models import ModelSpec, transformers_config
-from course_lib.planner.allocator.reserved import stream_slacks
 from course_lib.planner.trace.deep_stream import deep_stream, live_peak
 
 MIN_PERIODS = 6  # shallower models are traced in full: composing would not be faster
@@ -55,7 +55,7 @@ def layer_period(config) -> int | None:
 def shallow_depth(spec: ModelSpec) -> int | None:
     """The layers of a shallow copy that holds every kind of position of the model (three periods of its
     layer types), None when the model is traced in full: shallow, of layers that do not repeat, or with
-    a per-layer list besides layer_types (`checkpointed.checkpointed_slack`'s copy)."""
+    a per-layer list besides layer_types (`step_trace.StepTrace.checkpointed_slack`'s copy)."""
     n, period = spec.n_layers, layer_period(spec.config)
     if n is None or period is None or _per_layer_lists(spec.config, n) or n % period or n < MIN_PERIODS * period:
         return None
@@ -124,6 +124,8 @@ def composed_trace(spec: ModelSpec, setup, target: str, trace: Callable):
     n, period = spec.n_layers, layer_period(spec.config)
     if n is None or period is None or _per_layer_lists(spec.config, n):
         return None
+    if setup.offload_activations:  # what is saved lives on the host: each layer's backward climb above what
+        return None  # the cost model counts on the GPU falls with its depth, so the copies never compose
     types = list(getattr(spec.config, "layer_types", None) or [])
     first_try = 1 if set(types[1:3]) == set(types) else period
     for candidate in sorted({first_try, period}):
@@ -179,6 +181,7 @@ def _slacks(a, b, n: int, period: int) -> dict[str, int]:
     """The allocator's slack of the deep model, from its stream where it can be built (planner.trace.deep_stream),
     and that stream (`Trace.stream`, in memory only)."""
     stream = deep_stream(a, b, n, period)
-    if stream is None:
-        return {name: max(getattr(a, name), getattr(b, name)) for name in APPROXIMATE}
+    if stream is None:  # the copies' own, replayed from their streams (their traces leave them out)
+        replayed = [stream_slacks(copied.stream, live_peak(copied.stream)) for copied in (a, b)]
+        return {name: max(each[name] for each in replayed) for name in APPROXIMATE}
     return {**stream_slacks(stream, live_peak(stream)), "stream": tuple(stream)}

@@ -1,9 +1,9 @@
 """A deep model's allocation stream built from a shallow copy's (lesson 1, "the planner"): what the caching
-allocator's replay (`planner.allocator.reserved.stream_slack`) needs for a model whose trace is composed
+allocator's replay (`caching_allocator.stream_slack`) needs for a model whose trace is composed
 (`planner.trace.compose`), without tracing every layer.
 
 A copy of three periods of layers has one middle period; the stream's entries are cut into runs by the
-(phase, position) the tracer was in when it recorded them (`_MetaTracer.stream_marks`). The deep stream is
+(phase, position) the tracer was in when it recorded them (`MetaTracer.stream_marks`). The deep stream is
 the copy's with the middle period's runs repeated once per middle period of the deep model (ascending in
 forward, descending in backward); the runs before the layers ("pre") stay, those after them ("post") and
 of the last period move to the deep model's end. A free names its allocation by the run that made it and
@@ -109,7 +109,7 @@ def _target(source: int | None, freeing: int | None, unit: int | None, position,
 
 
 def mark_positions(tracer, layers, on_backward=None) -> list:
-    """Hooks on the decoder `layers` that mark the tracer's stream (`trace._MetaTracer.set_phase`) by (phase,
+    """Hooks on the decoder `layers` that mark the tracer's stream (`planner.trace.tracer.MetaTracer.set_phase`) by (phase,
     layer), as `deep_stream` cuts it: a layer's forward at its index, its backward from its output's gradient
     on (`on_backward(index)` called there first; the tail's index is len(layers)); a checkpointed layer's
     replay in backward stays in the backward's mark."""

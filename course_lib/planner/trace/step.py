@@ -4,94 +4,24 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from course_lib.cache import cached
-from course_lib.layers import find_layer_stack
-from course_lib.measure import LiveStorageTracker
-from course_lib.models import ModelSpec, build_model, supported_attention, transformers_config
-from course_lib.planner.allocator.reserved import AllocationStream, stream_slacks
+from course_lib.caching_allocator import stream_slacks
+from course_lib.models import ModelSpec
 from course_lib.planner.config.setup import PlanError, Setup, itemsize
 from course_lib.planner.trace.autocast import MetaAutocast
 from course_lib.planner.trace.compose import composed_trace
 from course_lib.planner.trace.deep_stream import mark_positions
 from course_lib.planner.trace.kernels import kernels_as_on
-from course_lib.planner.trace.moe import refuse_lora_on_experts
+from course_lib.planner.trace.model import build_traced_model, decoder_layers, trace_key
 from course_lib.planner.trace.toolbox import step_in_backward_hook, traced_loss
+from course_lib.planner.trace.tracer import MetaTracer
 from course_lib.toolbox.activation_offload import HostOffload
-
-
-class _MetaTracer(AllocationStream, LiveStorageTracker):
-    """Lesson 0's live-storage tracker on any device, the meta device included, with the peaks the
-    planner needs.
-
-    Keyed by the storage's identity (meta storages all have address 0). Parameters and the batch are
-    excluded (`exclude`). `grad_bytes` follows the gradients stored in `.grad` (post-accumulate-grad
-    hooks), so that `current - grad_bytes` is what is live besides them. Peaks are kept per phase
-    and per position (the decoder layer running, or "pre"/"post": before/after them), each with the
-    gradients live when it was first reached; phases are revisited, so a peak is never reset.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.grad_bytes = 0
-        self.phase = "forward"
-        self.position: int | str = "pre"
-        self.peaks_without_grads: dict[str, int] = {}
-        self.peak_grads: dict[str, int] = {}  # the gradients live at each phase's peak
-        self.position_peaks: dict[tuple[str, int | str], tuple[int, int, int]] = {}
-        self.known: set[int] = set()
-        self.stream_marks: list[tuple[int, str, int | str]] = [
-            (0, self.phase, self.position)
-        ]  # planner.trace.deep_stream
-
-    def exclude(self, tensor: torch.Tensor) -> None:
-        """Never count this tensor's storage (a parameter, the batch), nor views of it."""
-        self.known.add(tensor.untyped_storage()._cdata)
-
-    def storage_key(self, tensor: torch.Tensor, storage: torch.UntypedStorage):
-        key = storage._cdata
-        return None if key in self.known else key
-
-    def _record(self, delta: int) -> None:
-        self.current += delta
-        if self.current > self.phase_peaks.get(self.phase, 0):
-            self.phase_peaks[self.phase] = self.current
-            self.peak_grads[self.phase] = self.grad_bytes
-        rest = self.current - self.grad_bytes
-        if rest > self.peaks_without_grads.get(self.phase, 0):
-            self.peaks_without_grads[self.phase] = rest
-        where = (self.phase, self.position)
-        old = self.position_peaks.get(where, (0, 0, 0))
-        if self.current > old[0] or rest > old[1]:
-            self.position_peaks[where] = (
-                max(old[0], self.current),
-                max(old[1], rest),
-                self.grad_bytes if self.current > old[0] else old[2],
-            )
-
-    def set_phase(self, phase: str, position: int | str | None = None) -> None:
-        self.phase = phase
-        if position is not None:
-            self.position = position
-        if self.stream_marks[-1][1:] != (self.phase, self.position):  # the stream's entries from here on
-            self.stream_marks.append((len(self.stream), self.phase, self.position))
-        self._record(0)
-
-
-def _decoder_layers(model: torch.nn.Module, n_layers: int) -> torch.nn.ModuleList:
-    """The decoder layers, found as lesson 3 finds a layer stack; PlanError if there are not n_layers."""
-    try:
-        layers = find_layer_stack(model)
-    except ValueError:
-        layers = None
-    if layers is None or len(layers) != n_layers:
-        raise PlanError(f"cannot find the {n_layers} decoder layers of {type(model).__name__}")
-    return layers
 
 
 @dataclass(frozen=True)
@@ -149,39 +79,10 @@ class Trace:
     # (phase, layer index or "pre"/"post") -> (peak, peak without gradients, gradients at the peak): what
     # course_lib.planner.trace.compose needs to compose a deep model's trace from shallow ones
     by_position: dict = field(default_factory=dict, compare=False, repr=False)
-    # the allocations and frees themselves, cut by phase and position (AllocationStream, _MetaTracer): what
+    # the allocations and frees themselves, cut by phase and position (AllocationStream, MetaTracer): what
     # planner.trace.deep_stream builds a deep model's from; not kept on disk
     stream: tuple[int, ...] = field(default=(), compare=False, repr=False)
     stream_marks: tuple = field(default=(), compare=False, repr=False)
-
-
-def _trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
-    """What the trace depends on: the dtypes of the precision, not its name (bf16, mixed-bf16 and
-    mixed-bf16-fp32grads trace the same step), save under lesson 7's step in backward, whose temporaries
-    follow the master-copy recipe."""
-    dtypes = setup.precision if setup.optimizer_in_backward else (str(setup.weight_dtype), str(setup.autocast_dtype))
-    return (
-        spec.config.to_json_string(use_diff=False),
-        dtypes,
-        setup.lora_rank,
-        str(setup.lora_targets),
-        float(setup.lora_dropout),
-        setup.autocast_adapter_dtype,
-        setup.quant != "none",
-        setup.prepare_kbit,
-        setup.batch,
-        setup.seq,
-        setup.attention,
-        target,
-        setup.loop != "trainer",
-        setup.legacy_causal_lm_loss,
-        setup.chunked_loss,
-        setup.offload_activations,
-        (setup.optimizer, setup.adam_state) if setup.optimizer_in_backward else None,
-    )
-
-
-_TRACES: dict[tuple, Trace] = {}
 
 
 def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
@@ -191,14 +92,15 @@ def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     from peft; `use_cache=False` as in training. Frozen 4-bit layers are traced as frozen 16-bit
     layers (bitsandbytes saves nothing extra for them) plus one dequantized weight alive at a time.
     """
-    key = _trace_key(spec, setup, target)
-    if key not in _TRACES:
-        _TRACES[key] = cached_trace(
-            key, lambda: _or_refusal(lambda: composed_trace(spec, setup, target, _trace) or _trace(spec, setup, target))
-        )
-    if isinstance(_TRACES[key], str):  # the setup's refusal, kept like a trace: the model is not built again
-        raise PlanError(_TRACES[key])
-    return _TRACES[key]
+    trace = cached_trace(
+        trace_key(spec, setup, target),
+        lambda: _or_refusal(
+            lambda: composed_trace(spec, setup, target, _shallow) or trace_in_full(spec, setup, target)
+        ),
+    )
+    if isinstance(trace, str):  # the setup's refusal, kept like a trace: the model is not built again
+        raise PlanError(trace)
+    return trace
 
 
 def step_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> list[int]:
@@ -207,8 +109,8 @@ def step_stream(spec: ModelSpec, setup: Setup, target: str = "cuda") -> list[int
     stream; a composed trace whose stream could not be built is traced in full."""
     stream = trace_step(spec, setup, target).stream
     if not stream:
-        composed = composed_trace(spec, setup, target, _trace)
-        stream = (composed if composed is not None and composed.stream else _trace(spec, setup, target)).stream
+        composed = composed_trace(spec, setup, target, _shallow)
+        stream = (composed if composed is not None and composed.stream else trace_in_full(spec, setup, target)).stream
     return list(stream)
 
 
@@ -236,48 +138,23 @@ def cached_trace(key: tuple, make) -> Trace | str:
     )
 
 
-def _build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
-
-    config = copy.deepcopy(transformers_config(spec.config))
-    config.use_cache = False
-    dtype = setup.weight_dtype
-    model = build_model(config, "meta", dtype=dtype, attn_implementation=supported_attention(config, setup.attention))
-    if setup.prepare_kbit:  # peft's prepare_model_for_kbit_training: non-quantized parameters to fp32
-        for module in model.modules():
-            if not (isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings()):
-                for param in module.parameters(recurse=False):
-                    param.data = param.data.float()
-    model.train()
-    if setup.lora_rank:
-        from peft import LoraConfig, get_peft_model  # off the import path: peft imports transformers
-
-        targets = setup.lora_targets if setup.lora_targets == "all-linear" else list(setup.lora_targets)
-        with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
-            warnings.simplefilter("ignore")
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=setup.lora_rank,
-                    lora_alpha=2 * setup.lora_rank,
-                    target_modules=targets,
-                    lora_dropout=setup.lora_dropout,
-                    init_lora_weights=False,
-                ),  # values: none on meta
-                autocast_adapter_dtype=setup.autocast_adapter_dtype,
-            )
-        if not setup.autocast_adapter_dtype:  # peft casts adapters to the base's dtype, but skips meta ones
-            for param in (p for p in model.parameters() if p.requires_grad):
-                param.data = param.data.to(setup.weight_dtype)
-        refuse_lora_on_experts(model, spec, setup)
-    return model
+def _shallow(spec: ModelSpec, setup: Setup, target: str) -> Trace:
+    """A shallow copy's trace for `compose.composed_trace`: its slacks are never read (the deep model's are
+    replayed from the deep stream, or from the copies' streams where that cannot be built)."""
+    return trace_in_full(spec, setup, target, slacks=False)
 
 
-def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
-    model = _build_traced_model(spec, setup)
-    layers = _decoder_layers(model, spec.n_layers)
-    tracer = _MetaTracer()
+def trace_in_full(spec: ModelSpec, setup: Setup, target: str, slacks: bool = True) -> Trace:
+    """The step of the whole model traced layer by layer (`slacks`: with the allocator's replay of its
+    stream, `Trace.allocator_slack`; without, 0)."""
+    model = build_traced_model(spec, setup)
+    layers = decoder_layers(model, spec.n_layers)
+    tracer = MetaTracer()
     param_keys = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved_by: dict[int, tuple[object, int]] = {}
+    # (layer, bytes) of each storage saved for backward, counted once while it lives: a storage that
+    # activation offloading let go is freed, and a new one may take its key (its address)
+    saved_by: list[tuple[object, int]] = []
+    saved_live: set[int] = set()
     current = {"layer": None}
     inputs = [0] * len(layers)
     output = {"bytes": 0}
@@ -294,8 +171,10 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
     def pack(tensor):
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key not in param_keys and key not in saved_by and storage.nbytes():
-            saved_by[key] = (current["layer"], storage.nbytes())
+        if key not in param_keys and key not in saved_live and storage.nbytes():
+            saved_live.add(key)
+            weakref.finalize(storage, saved_live.discard, key)
+            saved_by.append((current["layer"], storage.nbytes()))
         return tensor if offload is None else offload.pack_hook(tensor)
 
     def pre_hook(index):
@@ -369,7 +248,7 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
             handle.remove()
     saved = [0] * len(layers)
     outside = 0
-    for layer, nbytes in saved_by.values():
+    for layer, nbytes in saved_by:
         if layer is None:
             outside += nbytes
         else:
@@ -412,14 +291,14 @@ def _trace(spec: ModelSpec, setup: Setup, target: str) -> Trace:
         layer_backward_peak_grads=at_peak.get("layer_backward", 0),
         tail_backward_peak_grads=at_peak.get("tail_backward", 0),
         layer_peak_grads=own,
-        **stream_slacks(tracer.stream, tracer.peak),
+        **(stream_slacks(tracer.stream, tracer.peak) if slacks else {}),
         by_position=dict(tracer.position_peaks),
         stream=tuple(tracer.stream),
         stream_marks=tuple(tracer.stream_marks),
     )
 
 
-def _backward_climbs(tracer: _MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
+def _backward_climbs(tracer: MetaTracer, saved: list[int], inputs: list[int], output: int, grads_at: list):
     """Each layer's backward peak as lesson 3's cost model takes it (`transient_bytes`, `grad_bytes`,
     `head_grad_bytes` of `checkpointing.plan_cost`): what the peak at that layer holds beyond the
     saved bytes of layers 0 .. i and the gradient arriving at layer i (and, with gradients, beyond
