@@ -1,4 +1,4 @@
-"""The `course-lib` command: a thin layer over the modules (README, "Commands")."""
+"""The `course-lib` command: a thin layer over the modules (docs/planner.md)."""
 
 from __future__ import annotations
 

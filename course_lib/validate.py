@@ -1,4 +1,4 @@
-"""Argument checks at the public boundary of `course_lib` (README, "Bad input").
+"""Argument checks at the public boundary of `course_lib` (docs/planner.md, "Bad input").
 
 Each check returns the value, normalised (a whole float as an int, a single string as a one-item
 tuple), or raises the library's error class (`UserError`, or the subclass passed as `error`) with one

@@ -1,6 +1,6 @@
 """Issue 29's examples: every bad input to the library or the CLI gets one clear line (a UserError:
 the argument, the value, what to give instead), never a wrong result, a silent NaN or a raw exception
-from a dependency (README, "Bad input")."""
+from a dependency (docs/planner.md, "Bad input")."""
 
 import functools
 import json

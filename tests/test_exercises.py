@@ -1,4 +1,4 @@
-"""The exercise pipeline: generation from solutions/, protection of learners' work (README)."""
+"""The exercise pipeline: generation from solutions/, protection of learners' work (docs/grading.md)."""
 
 import csv
 import difflib

@@ -1,7 +1,7 @@
 """Adversarial arguments (wrong types, NaN, inf, negative, zero, huge, empty, strings for lists, lists for
 strings) to the CLI and to the public API of each package: every call ends in a result that passes the
 function's own invariants, or in the library's error class (`UserError`) with a one-line message; never a
-raw exception from a dependency, never a silent NaN (issue 29, README "Bad input").
+raw exception from a dependency, never a silent NaN (issue 29, docs/planner.md "Bad input").
 
 Deterministic (derandomize) and small: the functions that train or spawn processes are called so that
 their validation answers first (the spawn itself is replaced by a stub that says it was reached).

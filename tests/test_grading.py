@@ -1,5 +1,5 @@
-"""`course-lib grade`: check cells from the instructor's copy, time limits, isolated submissions (README,
-"Exercises and grading"). The runs use lesson 1's exercise, the quickest, and a short --timeout."""
+"""`course-lib grade`: check cells from the instructor's copy, time limits, isolated submissions
+(docs/grading.md). The runs use lesson 1's exercise, the quickest, and a short --timeout."""
 
 import csv
 import importlib

@@ -1,4 +1,4 @@
-"""Exercises from solutions, and grading (README, "Exercises and grading"); one module per job:
+"""Exercises from solutions, and grading (docs/grading.md); one module per job:
 
 - generate: an exercise from a solved notebook (stubs, no outputs, the record of its protected cells);
 - write: `course-lib make-exercises`, which never loses a learner's work (the manifest);

@@ -1,4 +1,4 @@
-"""An exercise from a solved notebook (README, "Exercises and grading").
+"""An exercise from a solved notebook (docs/grading.md).
 
 Each answer sits between `### BEGIN SOLUTION` and `### END SOLUTION` lines; the exercise has the stub
 instead, no outputs, the Colab badge pointing at the exercise, the kernel spec JupyterLab writes, and,

@@ -1,5 +1,4 @@
-"""`course-lib grade`: PASS/FAIL per exercise, for one notebook or a class's folder (README,
-"Exercises and grading").
+"""`course-lib grade`: PASS/FAIL per exercise, for one notebook or a class's folder (docs/grading.md).
 
 Every submission is read before any runs. Each runs from a copy in a fresh temporary folder, with its
 setup and check cells from the instructor's copy (restore.py), under a per-cell and a per-notebook time

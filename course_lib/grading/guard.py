@@ -1,5 +1,5 @@
 """The files no submission may change while it is graded: the reference's notebooks and every
-submission (README, "Exercises and grading").
+submission (docs/grading.md).
 
 Each is read once, before any submission runs, and compared with what is on disk after each run. A run
 that changed one is a FAIL for that submission ('it modified the reference'), and the file is put back

@@ -1,5 +1,5 @@
 """The notebook the grader runs: a learner's cells, with the setup and check cells from the instructor's
-copy (README, "Exercises and grading").
+copy (docs/grading.md).
 
 A submission is identified by the exercise named in its metadata (else by its file name, else by the
 cell ids it shares with one exercise). Each protected cell (setup, checks) is then taken from the
