@@ -102,42 +102,59 @@ def _lora_targets(text: str) -> str | tuple[str, ...]:
 def _plan(args: argparse.Namespace) -> int:
     # off the import path: course_lib.planner imports torch (a second): keeps `course-lib grade` light
     from course_lib.planner import PlanError, plan_from_cli
+    from course_lib.planner.config.recipes import RECIPES, describe
 
+    options = dict(
+        precision=args.precision,
+        optimizer=args.optimizer,
+        lora_rank=args.lora_rank,
+        lora_targets=args.lora_targets,
+        lora_dropout=args.lora_dropout,
+        autocast_adapter_dtype=args.autocast_adapter_dtype,
+        quant=args.quant,
+        batch=args.batch,
+        seq=args.seq,
+        checkpointing=args.checkpointing,
+        accum=args.accum,
+        attention=args.attention,
+        loop=args.loop,
+        legacy_causal_lm_loss=args.legacy_causal_lm_loss,
+        empty_cache_each_step=args.empty_cache_each_step,
+        gpus=args.gpus,
+        shard=args.shard,
+        fsdp_wrapping=args.fsdp_wrapping,
+        fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+        fsdp_reshard_root=args.fsdp_reshard_root,
+        fsdp_version=args.fsdp_version,
+        fsdp_backward_prefetch=args.fsdp_backward_prefetch,
+        fsdp_wrap_from=args.fsdp_wrap_from,
+        optimizer_in_backward=args.optimizer_in_backward,
+        chunked_loss=args.chunked_loss,
+        offload_activations=args.offload_activations,
+    )
+    options["fsdp_reduce_dtype"] = None if options["fsdp_reduce_dtype"] == "compute" else options["fsdp_reduce_dtype"]
+    recipe = {}
+    if args.recipe is not None:
+        if args.recipe not in RECIPES:
+            raise UserError(f"--recipe {args.recipe!r} is not a recipe: give one of {', '.join(RECIPES)}")
+        recipe = {key: value for key, value in RECIPES[args.recipe].items() if options.get(key) is None}
+        options.update(recipe)
     try:
-        result = plan_from_cli(
-            args.model,
-            params=args.params,
-            precision=args.precision,
-            optimizer=args.optimizer,
-            lora_rank=args.lora_rank,
-            lora_targets=args.lora_targets,
-            lora_dropout=args.lora_dropout,
-            autocast_adapter_dtype=args.autocast_adapter_dtype,
-            quant=args.quant,
-            batch=args.batch,
-            seq=args.seq,
-            checkpointing=args.checkpointing,
-            accum=args.accum,
-            attention=args.attention,
-            loop=args.loop,
-            legacy_causal_lm_loss=args.legacy_causal_lm_loss,
-            empty_cache_each_step=args.empty_cache_each_step,
-            gpu=args.gpu,
-            gpus=args.gpus,
-            shard=args.shard,
-            fsdp_wrapping=args.fsdp_wrapping,
-            fsdp_reduce_dtype=args.fsdp_reduce_dtype,
-            fsdp_reshard_root=args.fsdp_reshard_root,
-            fsdp_version=args.fsdp_version,
-            fsdp_backward_prefetch=args.fsdp_backward_prefetch,
-            fsdp_wrap_from=args.fsdp_wrap_from,
-            optimizer_in_backward=args.optimizer_in_backward,
-            chunked_loss=args.chunked_loss,
-            offload_activations=args.offload_activations,
-        )
+        result = plan_from_cli(args.model, params=args.params, gpu=args.gpu, **options)
     except PlanError as error:
         raise UserError(str(error)) from None
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    if args.json:
+        shown = result.to_dict()
+        if args.recipe is not None:
+            shown["recipe"] = {
+                "name": args.recipe,
+                "set": {key: list(v) if isinstance(v, tuple) else v for key, v in recipe.items()},
+            }
+        print(json.dumps(shown, indent=2))
+    else:
+        if args.recipe is not None:
+            print(describe(args.recipe, recipe))
+        print(result)
     return 0
 
 
@@ -232,6 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--params", help="a raw parameter count, e.g. 7e9 (activations are then unknown)")
     plan.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="a preset that sets several options at once: full, lora, qlora, qlora-t4 (lesson 5's) or "
+        "fsdp-qlora (Answer.AI's); it prints what it set, and an option given beside it overrides "
+        "(docs/planner.md)",
+    )
+    plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
+    model = plan.add_argument_group("the model")
+    precision = plan.add_argument_group("precision and optimizer")
+    adapters = plan.add_argument_group("adapters and quantization (LoRA, QLoRA)")
+    step = plan.add_argument_group("the step: batch, sequence, loop")
+    activations = plan.add_argument_group("activations: checkpointing and lesson 7's tricks")
+    target = plan.add_argument_group("the target GPU, and GPUs training together (lesson 6)")
+    precision.add_argument(
         "--precision",
         choices=(
             "fp32",
@@ -251,9 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the Trainer's; without --gpu or with --gpus: mixed-bf16 (mixed-fp16); the base's dtype "
         "for --quant",
     )
-    plan.add_argument(
+    precision.add_argument(
         "--optimizer",
-        default="adamw",
         choices=(
             "sgd",
             "momentum",
@@ -265,29 +295,28 @@ def build_parser() -> argparse.ArgumentParser:
             "adafactor",
             "lion",
         ),
-        help="default: adamw",
+        help="default: adamw (torch's)",
     )
-    plan.add_argument(
+    adapters.add_argument(
         "--lora-rank",
         type=_checked(validate.non_negative_int),
-        default=0,
         metavar="R",
-        help="train LoRA adapters of rank R",
+        help="train LoRA adapters of rank R (default 0: a full fine-tune)",
     )
-    plan.add_argument(
+    adapters.add_argument(
         "--lora-targets",
         type=_lora_targets,
         metavar="NAMES",
         help="modules that get adapters, comma-separated (e.g. q_proj,v_proj; default all-linear: "
         "every linear layer but the output layer)",
     )
-    plan.add_argument(
+    adapters.add_argument(
         "--lora-dropout",
         type=_checked(validate.probability, below_one=True),
         metavar="P",
         help="peft's lora_dropout (default 0.0, peft's; the QLoRA paper used 0.05 and 0.1)",
     )
-    plan.add_argument(
+    adapters.add_argument(
         "--no-autocast-adapter-dtype",
         dest="autocast_adapter_dtype",
         action="store_false",
@@ -295,112 +324,111 @@ def build_parser() -> argparse.ArgumentParser:
         help="adapters in the base's dtype, as peft made them before 0.11 (default: "
         "get_peft_model's autocast_adapter_dtype=True, fp32 adapters)",
     )
-    plan.add_argument("--quant", default="none", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA)")
+    adapters.add_argument("--quant", choices=("none", "nf4", "nf4-dq"), help="4-bit base (QLoRA; default none)")
     # no argparse defaults for what --params cannot use: the planner tells given options from defaults
-    plan.add_argument("--batch", type=_POSITIVE_INT, help="micro-batch size (default 1)")
-    plan.add_argument("--seq", type=_POSITIVE_INT, help="sequence length in tokens (default 512)")
-    plan.add_argument(
+    step.add_argument("--batch", type=_POSITIVE_INT, help="micro-batch size (default 1)")
+    step.add_argument("--seq", type=_POSITIVE_INT, help="sequence length in tokens (default 512)")
+    activations.add_argument(
         "--checkpointing",
         metavar="PLAN",
         help="none (default), every-layer, sqrt, every-K (e.g. every-2) or hf-every-K "
         "(Hugging Face's every_n_layers=K)",
     )
-    plan.add_argument("--accum", type=_POSITIVE_INT, help="gradient accumulation steps (default 1)")
-    plan.add_argument("--attention", choices=("sdpa", "eager"), help="attention kernel (default sdpa)")
-    plan.add_argument(
+    step.add_argument("--accum", type=_POSITIVE_INT, help="gradient accumulation steps (default 1)")
+    model.add_argument("--attention", choices=("sdpa", "eager"), help="attention kernel (default sdpa)")
+    step.add_argument(
         "--loop",
         choices=("trainer", "keep-outputs", "outputs-until-step"),
         help="trainer (default): only the loss is kept; keep-outputs: `outputs = model(**batch)` "
         "keeps the logits alive through backward, the step and the next forward; "
         "outputs-until-step: released after the step",
     )
-    plan.add_argument(
+    model.add_argument(
         "--legacy-causal-lm-loss",
         action="store_true",
         default=None,
         help="the loss as transformers before 4.46 computed it: fp32 logits returned, the shifted logits copied",
     )
-    plan.add_argument(
+    step.add_argument(
         "--empty-cache-each-step",
         action="store_true",
         default=None,
         help="the loop calls torch.cuda.empty_cache() after each step (changes the reserved memory)",
     )
     # lesson 7's tricks
-    plan.add_argument(
+    activations.add_argument(
         "--optimizer-in-backward",
         action="store_true",
         default=None,
         help="step each parameter in backward and free its gradient there (no accumulation)",
     )
-    plan.add_argument(
+    activations.add_argument(
         "--chunked-loss",
         type=_POSITIVE_INT,
         metavar="TOKENS",
         help="output layer and loss computed TOKENS tokens at a time, recomputed in backward",
     )
-    plan.add_argument(
+    activations.add_argument(
         "--offload-activations",
         action="store_true",
         default=None,
         help="what autograd saves goes to host memory (torch's save_on_cpu)",
     )
-    plan.add_argument(
+    target.add_argument(
         "--gpu",
         help="a GPU for the fit verdict: t4, l4, a10g, a100-40gb, a100-80gb, h100-80gb, "
         "h200, rtx3090, rtx4090, l40s, a6000, v100-16gb",
     )
-    plan.add_argument(
+    target.add_argument(
         "--gpus",
         type=_POSITIVE_INT,
         metavar="N",
         help="N GPUs train together (data parallel); the plan is one GPU's share, --batch per GPU (lesson 6)",
     )
-    plan.add_argument(
+    target.add_argument(
         "--shard",
         metavar="STAGE",
         help="what the N GPUs partition: none (DDP, default), zero1 "
         "(optimizer state), zero2 (+ gradients), zero3 (+ weights)",
     )
-    plan.add_argument(
+    target.add_argument(
         "--fsdp-wrapping",
         choices=("blocks", "torchtitan"),
         help="zero2/zero3: blocks (default: each decoder layer, then the root) or torchtitan "
         "(embeddings, each layer, [norm, output], then the root)",
     )
-    plan.add_argument(
+    target.add_argument(
         "--fsdp-reduce-dtype",
-        choices=("fp32",),
-        help="zero2/zero3: reduce-scatter the gradients in fp32 (default: the compute dtype)",
+        choices=("compute", "fp32"),
+        help="zero2/zero3: the dtype the gradients are reduce-scattered in: compute (default, FSDP2's) or "
+        "fp32 (torchtitan's)",
     )
-    plan.add_argument(
-        "--fsdp-keep-root-gathered",
-        dest="fsdp_reshard_root",
-        action="store_false",
+    target.add_argument(
+        "--fsdp-reshard-root",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="zero3: the root is not resharded after forward (FSDP2's default; the course's zero3 "
-        "reshards it: 3 P sent)",
+        help="zero3: reshard the root after forward too (the course's zero3, default: 3 P sent); "
+        "--no-fsdp-reshard-root keeps it gathered (FSDP2's default)",
     )
-    plan.add_argument(
+    target.add_argument(
         "--fsdp-version",
         type=int,
         choices=(1, 2),
         help="zero2/zero3: 2 (FSDP2, default) or 1 (accelerate's FSDP1, the Trainer's FSDP recipes)",
     )
-    plan.add_argument(
+    target.add_argument(
         "--fsdp-backward-prefetch",
         action="store_true",
         default=None,
         help="--fsdp-version 1: BACKWARD_PRE, FullyShardedDataParallel's own default (accelerate's: none)",
     )
-    plan.add_argument(
+    target.add_argument(
         "--fsdp-wrap-from",
         choices=("cpu", "cpu-broadcast"),
         help="FSDP1 (or --shard none: its NO_SHARD) wraps a model on the CPU, which leaves blocks "
         "cached before the first step; cpu-broadcast: with sync_module_states (accelerate's "
         "cpu_ram_efficient_loading). Changes the reserved memory",
     )
-    plan.add_argument("--json", action="store_true", help="print a JSON object (bytes by category)")
     plan.set_defaults(run=_plan)
     return parser
 

@@ -151,3 +151,66 @@ def test_the_console_command_exits_2_with_one_line():
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "positive whole number" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["full", "lora", "qlora", "qlora-t4", "fsdp-qlora"])
+def test_each_recipe_plans_and_says_what_it_set(capsys, name):
+    from course_lib.planner.config.recipes import RECIPES
+
+    code, out, _ = run(capsys, "llama-3.2-1b", "--recipe", name, "--seq", "64", "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["recipe"]["name"] == name
+    assert set(shown["recipe"]["set"]) == set(RECIPES[name])
+    for field, value in RECIPES[name].items():
+        assert shown["setup"][field] == (list(value) if isinstance(value, tuple) else value)
+    assert name in cli.build_parser().format_help() or name in _plan_help()
+
+
+def _plan_help() -> str:
+    parser = cli.build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices["plan"].format_help()
+
+
+def test_the_help_names_every_recipe_and_groups_the_options():
+    from course_lib.planner.config.recipes import RECIPES
+
+    text = " ".join(_plan_help().split())
+    assert all(name in text for name in RECIPES)
+    assert "adapters and quantization" in text and "the step: batch, sequence, loop" in text
+
+
+def test_an_option_beside_a_recipe_overrides_it_and_the_line_says_so(capsys):
+    code, out, _ = run(capsys, "llama-3.2-1b", "--recipe", "qlora-t4", "--accum", "2", "--seq", "64")
+    first = out.splitlines()[0]
+    assert code == 0 and first.startswith("recipe qlora-t4 set ") and "accum" not in first
+    assert "x accum 2" in out and "quant=nf4-dq" in first
+
+
+def test_the_t4_recipe_is_lesson_5s():
+    from course_lib.planner.config.recipes import RECIPES
+    from course_lib.qlora import Recipe
+
+    lesson = Recipe()
+    t4 = RECIPES["qlora-t4"]
+    assert (t4["lora_rank"], t4["accum"], t4["prepare_kbit"]) == (lesson.lora_rank, lesson.accum, lesson.prepare_kbit)
+    assert t4["quant"] == "nf4-dq" and lesson.nf4 and t4["optimizer"] == "paged_adamw8bit"
+    assert lesson.optim == "paged_adamw_8bit" and (t4["checkpointing"] == "every-layer") == lesson.checkpointing
+
+
+def test_an_unknown_recipe_is_one_line(capsys):
+    code, out, err = run(capsys, "gpt2", "--recipe", "qlora-a100")
+    assert code == 2 and out == "" and "give one of full, lora, qlora, qlora-t4, fsdp-qlora" in err
+
+
+def test_the_fsdp_flags_read_positively_and_their_defaults_are_choices(capsys):
+    base = ["llama-3.2-1b", "--gpus", "2", "--shard", "zero3", "--seq", "64", "--json"]
+    plans = {}
+    for extra in ([], ["--fsdp-reduce-dtype", "compute"], ["--fsdp-reshard-root"], ["--no-fsdp-reshard-root"]):
+        code, out, _ = run(capsys, *base, *extra)
+        assert code == 0
+        plans[" ".join(extra)] = json.loads(out)
+    buffers = {flags: plan["detail"]["buffers_by_phase"] for flags, plan in plans.items()}
+    assert buffers[""] == buffers["--fsdp-reduce-dtype compute"] == buffers["--fsdp-reshard-root"]
+    assert plans["--no-fsdp-reshard-root"]["setup"]["fsdp_reshard_root"] is False
+    # the root kept gathered from forward to backward: backward starts without gathering it again
+    assert buffers["--no-fsdp-reshard-root"]["backward start"] < buffers[""]["backward start"]

@@ -408,7 +408,7 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
         card,
         [],
         notes,
-        oom_line if cuda else None,
+        make_oom_line=oom_line if cuda else None,
     )
 
 

@@ -305,7 +305,7 @@ def _validate_sharding(setup: Setup) -> None:
         True,
     ):
         raise PlanError(
-            "--fsdp-wrapping, --fsdp-reduce-dtype and --fsdp-keep-root-gathered configure FSDP2: "
+            "--fsdp-wrapping, --fsdp-reduce-dtype and --no-fsdp-reshard-root configure FSDP2: "
             "FSDP1 is planned as accelerate runs it (each layer a unit, the root kept gathered)"
         )
     if setup.fsdp_version == 1 and setup.prepare_kbit:

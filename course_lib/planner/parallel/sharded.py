@@ -162,7 +162,7 @@ def offload_prediction(plan) -> dict[str, int]:
     shards = b["weights"] + d.get("gradient_shards", b["gradients"]) + b["optimizer_state"] + b["master_weights"]
     fp32_weights = b["master_weights"] or b["weights"] * 4 // itemsize(plan.setup.weight_dtype)
     fp32_grads = fp32_weights * plan.trainable_params // max(plan.n_params, 1)  # shards in the parameter's dtype
-    # a root kept gathered from forward to backward (--fsdp-keep-root-gathered) is copied once, not twice
+    # a root kept gathered from forward to backward (--no-fsdp-reshard-root) is copied once, not twice
     root_once = 0 if plan.setup.fsdp_reshard_root else 4 * d.get("root_params", 0) // plan.setup.gpus
     # on the GPU: the forward and backward peaks less the shards (the step's temporaries are on the CPU)
     return {
