@@ -102,7 +102,7 @@ def _lora_targets(text: str) -> str | tuple[str, ...]:
 def _plan(args: argparse.Namespace) -> int:
     # off the import path: course_lib.planner imports torch (a second): keeps `course-lib grade` light
     from course_lib.planner import PlanError, plan_from_cli
-    from course_lib.planner.config.recipes import RECIPES, describe
+    from course_lib.planner.config.recipes import RECIPES, describe  # the same: off the import path
 
     options = dict(
         precision=args.precision,
