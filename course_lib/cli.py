@@ -146,10 +146,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         shown = result.to_dict()
         if args.recipe is not None:
-            shown["recipe"] = {
-                "name": args.recipe,
-                "set": {key: list(v) if isinstance(v, tuple) else v for key, v in recipe.items()},
-            }
+            shown["recipe"] = {"name": args.recipe, "set": recipe}  # json writes a tuple as a list
         print(json.dumps(shown, indent=2))
     else:
         if args.recipe is not None:

@@ -202,10 +202,13 @@ def test_a_function_local_import_only_keeps_a_heavy_library_off_the_import_path_
     assert wrong == []
 
 
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
 def _private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
     """Each name starting with `_` that this module imports from another course_lib module, or reads as an
     attribute of one it imported (`module._name`)."""
-    private = lambda attr: attr.startswith("_") and not attr.startswith("__")  # noqa: E731
     found, aliases, seen = [], {}, set()
     for target, node, _ in _imports(name, path, modules):
         if not target.startswith("course_lib") or id(node) in seen:
@@ -216,10 +219,10 @@ def _private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[st
                 aliases[alias.asname or alias.name.split(".")[0]] = alias.name
             elif f"{target}.{alias.name}" in modules:
                 aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
-            elif private(alias.name) and target != name:
+            elif _private(alias.name) and target != name:
                 found.append(f"{name}:{node.lineno} imports {target}.{alias.name}")
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name):
             module = aliases.get(node.value.id)
             if module is not None and module != name:
                 found.append(f"{name}:{node.lineno} reads {module}.{node.attr}")

@@ -163,7 +163,7 @@ def test_each_recipe_plans_and_says_what_it_set(capsys, name):
     assert set(shown["recipe"]["set"]) == set(RECIPES[name])
     for field, value in RECIPES[name].items():
         assert shown["setup"][field] == (list(value) if isinstance(value, tuple) else value)
-    assert name in cli.build_parser().format_help() or name in _plan_help()
+    assert name in " ".join(_plan_help().split())
 
 
 def _plan_help() -> str:
