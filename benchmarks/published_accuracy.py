@@ -31,7 +31,7 @@ from course_lib.errors import UserError
 from course_lib.measure import GiB, MiB
 from course_lib.models import model_spec
 from course_lib.planner import GPU, LOOPS, Plan, PlanError, Setup, get_gpu, plan
-from course_lib.planner.config.setup import FSDP_WRAP_FROM
+from course_lib.planner.config.fields import FSDP_WRAP_FROM
 from course_lib.planner.parallel.fsdp_wrap import after_wrap
 from course_lib.planner.trace.step_trace import trace_request
 

@@ -6,7 +6,7 @@ and their floors: docs/architecture.md.
 
 import logging
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # bitsandbytes on a CPU warns at import that an optional kernel (fetched from a model hub, which the
 # course never reaches) is missing; nothing of the course needs it. Only that one module is silenced.

@@ -180,3 +180,19 @@ def model_and_optimizer(model, optimizer=None, *, error: type[UserError] = UserE
             "optimizer updates parameters that are not this model's (built for another model?): build it "
             "from this model's parameters, e.g. torch.optim.AdamW(model.parameters())"
         )
+
+
+def from_text(check, text: str, **options):
+    """A command-line value: `text` read as a number (a whole one if it is), then checked by `check` (one of
+    the checks above); ValueError with the check's words, for the parser to put after the flag's name."""
+    value = text
+    for kind in (int, float):
+        try:
+            value = kind(text)
+            break
+        except ValueError:
+            pass
+    try:
+        return check("VALUE", value, **options)
+    except UserError as error:
+        raise ValueError(str(error).removeprefix("VALUE ")) from None

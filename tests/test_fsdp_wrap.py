@@ -12,7 +12,7 @@ from course_lib import cli, planner
 from course_lib.caching_allocator import EMPTY_CACHE, MiB, concatenated, replay
 from course_lib.measure import GiB
 from course_lib.models import model_spec
-from course_lib.planner.config.setup import PlanError
+from course_lib.planner.config.errors import PlanError
 from course_lib.planner.parallel import fsdp_wrap
 from course_lib.planner.states.model_states import nf4_bytes
 

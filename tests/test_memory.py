@@ -361,9 +361,9 @@ def test_korthikanti_formula():
 def test_catalog_has_the_required_gpus_and_the_t4_shows_15_gib():
     for name in ("t4", "l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "rtx3090", "rtx4090"):
         assert planner.get_gpu(name)
-    from course_lib.cli import build_parser
+    from course_lib.planner.config.command import help_text
 
-    help_text = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
+    help_text = help_text()
     assert all(name in help_text for name in planner.GPUS), "course-lib plan --help must list every catalog GPU"
     assert planner.get_gpu("T4").memory_bytes == 15 * 2**30
     assert not planner.get_gpu("t4").bf16 and planner.get_gpu("a100").bf16

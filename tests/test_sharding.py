@@ -124,7 +124,10 @@ def test_what_makes_it_fit_offers_no_trick_the_planner_refuses_with_gpus():
     "argv, message",
     [
         (["--gpus", "0"], "--gpus: must be a whole number >= 1, got 0"),
-        (["--gpus", "2", "--shard", "zero4"], "unknown shard stage 'zero4'"),
+        (
+            ["--gpus", "2", "--shard", "zero4"],
+            "--shard: invalid choice 'zero4' (choose from none, zero1, zero2, zero3)",
+        ),
         (["--shard", "zero3"], "--shard zero3 needs --gpus N"),
     ],
 )

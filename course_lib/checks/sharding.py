@@ -9,7 +9,7 @@ from course_lib import planner
 from course_lib.checkpointing.demo_models import tiny_decoder
 from course_lib.checks.hints import passed, refuse_reference
 from course_lib.planner import CUDA_CONTEXT_BYTES, Setup, get_gpu, plan
-from course_lib.planner.config.setup import SHARDS
+from course_lib.planner.config.fields import SHARDS
 from course_lib.planner.predict import predict
 from course_lib.sharding import STAGES, measure_sharding
 

@@ -17,31 +17,14 @@ reported beside it. Checkpointing plans go through lesson 3's cost model
 lesson 3 share one source of truth. `benchmarks/planner_accuracy.py` checks the predictions against
 real training steps measured by `course_lib.measure`.
 
-The package, a module per job: `setup` (what is asked), `states` (model states, exact), `trace` (the
-meta-device step), `meta_kernels` (attention, dropout and experts on meta as on the target), `autocast`
-(torch.autocast on the meta device, for the amp precisions), `compose` (the fast path;
-`course_lib.cache` keeps traces on disk), `activations` (the step's phases over the model states),
-`sharded` (one rank's share, lesson 6), `fsdp` (FSDP2's and FSDP1's phases, FSDP + QLoRA, lesson 6),
-`moe` (MoE models' 3-D experts), `toolbox` (lesson 7's tricks), `gpus` (the catalog and the fit
-verdict), `reserved` (the caching allocator's reserve, the cuBLAS workspaces and the OOM line on a
-GPU), `prediction` (one setup's plan and its notes), `fit` (what makes it fit), `planner` (`plan` and
-`plan_from_cli`, the entry points).
+Its stages, one sub-package each, and their modules: docs/architecture.md.
 """
 
 from course_lib.planner.allocator.reserved import Reserved, cublas_workspaces
-from course_lib.planner.config.gpus import CUDA_CONTEXT_BYTES, GPU, GPUS, default_precision, get_gpu
-from course_lib.planner.config.setup import (
-    ATTENTIONS,
-    CATEGORIES,
-    DEFAULT_LORA_RANK,
-    LOOPS,
-    OPTIMIZERS,
-    PRECISIONS,
-    QUANTS,
-    SHARDS,
-    PlanError,
-    Setup,
-)
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.fields import ATTENTIONS, LOOPS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDS
+from course_lib.planner.config.gpus import CUDA_CONTEXT_BYTES, GPU, GPUS, get_gpu
+from course_lib.planner.config.setup import CATEGORIES, DEFAULT_LORA_RANK, Setup, default_precision
 from course_lib.planner.entry import plan, plan_from_cli
 from course_lib.planner.parallel.sharded import offload_prediction
 from course_lib.planner.phases.activations import korthikanti_bytes

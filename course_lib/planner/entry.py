@@ -8,8 +8,9 @@ from decimal import Decimal, InvalidOperation
 
 from course_lib import validate
 from course_lib.models import ModelNotFound, ModelSpec, model_spec
-from course_lib.planner.config.gpus import GPU, default_precision, get_gpu
-from course_lib.planner.config.setup import PlanError, Setup
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.gpus import GPU, get_gpu
+from course_lib.planner.config.setup import Setup
 from course_lib.planner.predict import Plan, predict
 from course_lib.planner.search.elsewhere import where_it_fits
 from course_lib.planner.search.fit import what_makes_it_fit
@@ -28,23 +29,20 @@ def plan(
     `model`: a bundled name ('llama-3.1-8b'), a config.json path, a ModelSpec, or a parameter count
     (then activations are unknown and counted as 0). `setup` or keyword options (see Setup).
     `gpu`: a catalog name; adds the CUDA context, a fit verdict and, when it does not fit, the
-    tricks that make it fit. Without a setup or a precision, the precision is the GPU's, as
+    tricks that make it fit. A precision left None (in `setup` or the options) is the GPU's, as
     `course-lib plan` picks it (`default_precision`: amp-fp16 on a T4, the Trainer's fp16=True).
     """
-    if setup is None and "precision" not in options:  # the GPU's precision, as `course-lib plan` picks it
-        options["precision"] = default_precision(
-            get_gpu(gpu) if gpu is not None else None, options.get("quant", "none"), options.get("gpus")
-        )
     setup = validate.instance(
-        "setup", setup or Setup(), Setup, "a memory.Setup (or None, with keyword options)", error=PlanError
+        "setup", setup or Setup(), Setup, "a planner Setup (or None, with keyword options)", error=PlanError
     )
     if options:
         unknown = set(options) - set(Setup.__dataclass_fields__)
         if unknown:
             raise PlanError(f"unknown option(s) {', '.join(sorted(unknown))}")
         setup = replace(setup, **options)
-    setup.validate()
     card = get_gpu(gpu) if gpu is not None else None
+    setup = setup.for_gpu(card)
+    setup.validate()
     result = predict(model, setup, card)
     if card is not None and suggest and not result.fits:
         result.tricks = what_makes_it_fit(model, setup, card, result)
@@ -77,11 +75,9 @@ def plan_from_cli(
             if model is not None
             else "give a model (e.g. llama-3.1-8b, or a config.json) or --params N"
         )
-    card = get_gpu(gpu) if gpu is not None else None
     options = {key: value for key, value in options.items() if value is not None}
-    precision = precision or default_precision(card, options.get("quant", "none"), options.get("gpus"))
     try:
         target = _parse_count(params) if params is not None else model_spec(model)
     except ModelNotFound as error:
         raise PlanError(str(error)) from None
-    return plan(target, Setup(precision=precision, **options), gpu=card)
+    return plan(target, Setup(precision=precision, **options), gpu=gpu)

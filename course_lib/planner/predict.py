@@ -7,6 +7,7 @@ import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from decimal import Decimal
 from functools import cached_property
 
 from course_lib.course import wrapped
@@ -14,8 +15,9 @@ from course_lib.measure import GiB, format_bytes
 from course_lib.models import ModelSpec, config_class_name, model_spec, supported_attention
 from course_lib.planner.allocator.limit import at_the_limit
 from course_lib.planner.allocator.reserved import Reserved, reserved_prediction, state_blocks
+from course_lib.planner.config.errors import PlanError
 from course_lib.planner.config.gpus import CUDA_CONTEXT_BYTES, GPU
-from course_lib.planner.config.setup import CATEGORIES, PlanError, Setup
+from course_lib.planner.config.setup import CATEGORIES, Setup
 from course_lib.planner.parallel.fsdp_wrap import after_wrap, wrap_extra
 from course_lib.planner.parallel.sharded import sharded_values
 from course_lib.planner.phases.activations import step_phases
@@ -200,11 +202,11 @@ def _resolve(model) -> tuple[ModelSpec | None, int, str]:
     if isinstance(model, ModelSpec):
         return model, model.n_params, model.name
     if isinstance(model, (int, float)) and not isinstance(model, bool):
-        if not math.isfinite(model) or model <= 0 or model != int(model):
+        if isinstance(model, float) and not math.isfinite(model) or model <= 0 or model != int(model):
             raise PlanError(f"--params must be a positive whole number of parameters, got {model!r}")
         if model > MAX_PARAMS:
             raise PlanError(
-                f"--params {model:g} is beyond any model (the largest trained have about 2e12 "
+                f"--params {Decimal(model):.3e} is beyond any model (the largest trained have about 2e12 "
                 f"parameters): give at most {MAX_PARAMS:.0e}"
             )
         return None, int(model), f"{int(model):,} parameters"
@@ -214,6 +216,7 @@ def _resolve(model) -> tuple[ModelSpec | None, int, str]:
 
 def predict(model, setup: Setup, card: GPU | None) -> Plan:
     """The plan of one validated setup, without "what makes it fit" (`planner.plan` adds it)."""
+    setup = setup.for_gpu(card)
     spec, n_params, name = _resolve(model)
     if setup.shard != "none" and setup.gpus > n_params:
         raise PlanError(

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from course_lib.measure import MiB
-from course_lib.planner.config.setup import PlanError
+from course_lib.planner.config.errors import PlanError
 
 # Memory a CUDA process uses outside PyTorch's allocator: the CUDA context and library handles
 # (about 300 to 700 MB: PyTorch issues 28113 and 107667, docs/references.md). A mid value; measure
@@ -93,14 +93,3 @@ def get_gpu(name: str | GPU) -> GPU:
     close = difflib.get_close_matches(key, list(GPUS) + list(_GPU_ALIASES), n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise PlanError(f"unknown GPU {name!r}: {hint}known: {', '.join(GPUS)}")
-
-
-def default_precision(gpu: GPU | None, quant: str = "none", gpus: int | None = None) -> str:
-    """The precision `course-lib plan` assumes (lesson 1): on a GPU target the Trainer's bf16=True, amp-bf16
-    (amp-fp16 on a GPU without bf16 hardware, lesson 5's T4 recipe); without a GPU, or with --gpus (data
-    parallelism and sharding are planned for it), the master-copy recipe, mixed-bf16 or mixed-fp16; the
-    plain compute dtype for a 4-bit base."""
-    half = "bf16" if gpu is None or gpu.bf16 else "fp16"
-    if quant != "none":
-        return half
-    return f"amp-{half}" if gpu is not None and gpus is None else f"mixed-{half}"

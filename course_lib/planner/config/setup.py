@@ -2,45 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from course_lib import checkpointing, validate
-from course_lib.errors import UserError
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.fields import (
+    ATTENTIONS,
+    FSDP_REDUCE_DTYPES,
+    FSDP_VERSIONS,
+    FSDP_WRAP_FROM,
+    FSDP_WRAPPINGS,
+    LOOPS,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTS,
+    SHARDS,
+    Activations,
+    Adapters,
+    Parallel,
+    PrecisionOptions,
+    Step,
+)
+from course_lib.planner.config.gpus import GPU
 
-PRECISIONS = (
-    "fp32",
-    "bf16",
-    "fp16",
-    "mixed-bf16",
-    "mixed-fp16",
-    "mixed-bf16-fp32grads",
-    "mixed-fp16-fp32grads",
-    "amp-bf16",
-    "amp-fp16",
-)
-OPTIMIZERS = (
-    "sgd",
-    "momentum",
-    "adamw",
-    "adamw_fused",
-    "adamw8bit",
-    "paged_adamw8bit",
-    "paged_adamw32bit",
-    "adafactor",
-    "lion",
-)
-QUANTS = ("none", "nf4", "nf4-dq")
-ATTENTIONS = ("sdpa", "eager")
-LOOPS = ("trainer", "keep-outputs", "outputs-until-step")
-SHARDS = ("none", "zero1", "zero2", "zero3")  # lesson 6, `course_lib.planner.parallel.sharded`
-FSDP_WRAPPINGS = ("blocks", "torchtitan")
-FSDP_WRAP_FROM = (
-    "cpu",
-    "cpu-broadcast",
-)  # Setup.fsdp_wrap_from, `course_lib.planner.parallel.fsdp_wrap`  # lesson 6, `course_lib.sharding.engines.fsdp_units`
-FSDP_VERSIONS = (1, 2)  # accelerate's FSDP1 (FullyShardedDataParallel) and FSDP2 (fully_shard)
 CATEGORIES = (
     "weights",
     "gradients",
@@ -57,102 +43,14 @@ DEFAULT_LORA_RANK = 16
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class PlanError(UserError):
-    """A setup the planner cannot plan: the message says what to change (lesson 1)."""
-
-
 INDEX_MAX = torch.iinfo(torch.int64).max  # the most elements a tensor's size can count
 
 
 @dataclass(frozen=True)
-class Setup:
-    """How the model is trained (lesson 1). Sizes are per micro-batch; `accum` micro-batches make one
-    optimizer step (effective batch = batch * accum).
-
-    optimizer: torch's "adamw" (foreach on CUDA, single-tensor on a CPU), "adamw_fused" (fused=True, the
-    Trainer's adamw_torch_fused: no step temporaries), bitsandbytes' 8-bit and paged ones, ...
-    precision: "fp32"; "bf16"/"fp16" (pure: weights, gradients and torch optimizer state in 16 bits);
-    "mixed-bf16"/"mixed-fp16": the master-copy recipe (ZeRO's and Megatron's): 16-bit weights and
-    gradients, fp32 master weights and optimizer state (2 + 2 + 4 + 8 bytes a parameter with AdamW);
-    "mixed-bf16-fp32grads"/"mixed-fp16-fp32grads": Megatron Core's two 16-bit rows (its distributed-optimizer
-    table, non-distributed: 18 and 20 bytes a parameter with Adam): the backward accumulates the gradients
-    into fp32 main gradients, the only gradients kept beside bf16 weights (2 + 4 + 4 + 8) and a copy beside
-    the fp16 ones under fp16 (2 + 2 + 4 + 4 + 8); one GPU only;
-    "amp-bf16"/"amp-fp16": the Trainer's mixed precision (bf16=True / fp16=True, torch.autocast; lesson 5's
-    T4 recipe): fp32 weights, gradients and optimizer state, and autocast's 16-bit copies of the weights,
-    cached through the forward and saved for backward (`course_lib.planner.trace.autocast`).
-    adam_state: None (torch's rule: state in the dtype of the parameter it updates) or "fp32".
-    lora_rank > 0 trains LoRA adapters (fp32, peft's default) on `lora_targets` and freezes the base;
-    lora_dropout: peft's dropout on each adapter's input (0.0, peft's default; the QLoRA paper used
-    0.05 and 0.1): a dropped copy of that input and, for backward, its mask (a byte a value on a GPU).
-    autocast_adapter_dtype: peft's get_peft_model(autocast_adapter_dtype=True), its default since v0.11
-    (pull request 1706): 16-bit adapters are upcast to fp32, and each adapter's input is cast to fp32;
-    False keeps the adapters (their gradients and torch optimizer state) in the base's dtype, as peft did
-    before (docs/references.md#peft-0212-peftmapping_funcpy-autocast_adapter_dtype).
-    quant "nf4"/"nf4-dq" stores the frozen linear layers in 4 bits (QLoRA; needs lora_rank > 0).
-    prepare_kbit: peft's prepare_model_for_kbit_training, which upcasts every non-quantized
-    parameter to fp32.
-    loop: "trainer" keeps only the loss (the Trainer's loop); "keep-outputs" is the tutorials'
-    `outputs = model(**batch); outputs.loss.backward()`: the outputs (the logits) stay alive through
-    backward and the step, and into the next forward until `outputs` is bound again; "outputs-until-step"
-    releases them after the step (`output = None`, as Answer.AI's fsdp_qlora train.py does).
-    legacy_causal_lm_loss: the loss as transformers computed it before 4.46 (LlamaForCausalLM.forward of
-    v4.38 to v4.45, and the heads copied from it): the model upcasts the logits to fp32 and returns them,
-    and copies the shifted logits for CrossEntropyLoss (`logits[..., :-1, :].contiguous()`); from 4.46 the
-    logits stay in the model's dtype and the loss upcasts them (transformers pull requests 31292, 33902).
-    empty_cache_each_step: the loop calls torch.cuda.empty_cache() after each step (peft's MetaMathQA
-    run.py does): the segments nothing lives in go back to the driver, so the next step's blocks are cut
-    from fresh segments, not from the last step's; it changes only the reserved memory on a GPU.
-    gpus: None (one GPU, no data parallelism) or N GPUs training together, `batch` per GPU; shard:
-    "none" (DDP), "zero1", "zero2" or "zero3" (lesson 6, `course_lib.planner.parallel.sharded`). Under zero2/zero3
-    (FSDP2) the precision is MixedPrecisionPolicy's param_dtype (mixed-bf16: an fp32 model gathered in
-    bf16); fsdp_wrapping "blocks" or "torchtitan" (`course_lib.sharding.engines`); fsdp_reduce_dtype
-    None (the reduce-scatter in the compute dtype, FSDP2's default) or "fp32" (torchtitan's);
-    fsdp_reshard_root: zero3 reshards the root after forward too (3P sent), False: FSDP2's default.
-    fsdp_version: 2 (FSDP2, `course_lib.sharding.engines`) or 1: accelerate's FSDP1 (the Trainer's FSDP
-    recipes: FullyShardedDataParallel, zero2 = SHARD_GRAD_OP, zero3 = FULL_SHARD, accelerate's default
-    backward_prefetch NO_PREFETCH, LoRA's adapters each a unit of their own as the Trainer wraps them with
-    peft's fsdp_auto_wrap_policy; `tests/test_fsdp1.py` measures it), with FSDP2's other options at theirs;
-    fsdp_backward_prefetch (FSDP1 only): True is FullyShardedDataParallel's own default BACKWARD_PRE (the
-    next unit gathered before the running one's gradients, as FSDP2 always does), False accelerate's.
-    fsdp_wrap_from (FSDP1, or --shard none for FSDP1's NO_SHARD): None plans the step from an empty cache;
-    "cpu": FullyShardedDataParallel moves a model on the CPU to the GPU unit by unit, flattens and shards it,
-    and leaves blocks cached (`course_lib.planner.parallel.fsdp_wrap`); "cpu-broadcast": the same with
-    sync_module_states (accelerate's cpu_ram_efficient_loading, Answer.AI's low_memory). It changes only the
-    reserved memory on a GPU.
-    Lesson 7: optimizer_in_backward steps each parameter in backward and frees its gradient there;
-    chunked_loss=N computes the output layer and the loss N tokens at a time; offload_activations
-    moves what autograd saves to host memory (torch's save_on_cpu).
-    """
-
-    precision: str = "mixed-bf16"
-    optimizer: str = "adamw"
-    adam_state: str | None = None
-    lora_rank: int = 0
-    lora_targets: str | tuple[str, ...] = "all-linear"
-    lora_dropout: float = 0.0
-    autocast_adapter_dtype: bool = True
-    quant: str = "none"
-    prepare_kbit: bool = False
-    batch: int = 1
-    seq: int = 512
-    checkpointing: str = "none"
-    accum: int = 1
-    attention: str = "sdpa"
-    loop: str = "trainer"
-    legacy_causal_lm_loss: bool = False
-    empty_cache_each_step: bool = False
-    gpus: int | None = None
-    shard: str = "none"
-    fsdp_wrapping: str = "blocks"
-    fsdp_reduce_dtype: str | None = None
-    fsdp_reshard_root: bool = True
-    fsdp_version: int = 2
-    fsdp_backward_prefetch: bool = False
-    fsdp_wrap_from: str | None = None
-    optimizer_in_backward: bool = False
-    chunked_loss: int | None = None
-    offload_activations: bool = False
+class Setup(Parallel, Activations, Step, Adapters, PrecisionOptions):
+    """How the model is trained (lesson 1): the fields of every group in `GROUPS`. Sizes are per
+    micro-batch; `accum` micro-batches make one optimizer step. `Setup()` plans what `plan(model)` plans
+    with no options; a precision left None is the GPU's (`for_gpu`)."""
 
     def __post_init__(self) -> None:
         # a whole number of any type (2.0, numpy's) is its int, as course_lib.validate's checks return it;
@@ -162,14 +60,25 @@ class Setup:
                 object.__setattr__(self, name, validate.integer(name, getattr(self, name), error=PlanError))
             except PlanError:
                 pass
+        if self.fsdp_reduce_dtype is None:  # None was the compute dtype's name before "compute"
+            object.__setattr__(self, "fsdp_reduce_dtype", "compute")
         # one module name is one target (never its characters); a list becomes a tuple (hashable)
         if self.lora_targets != "all-linear" and isinstance(self.lora_targets, (str, list)):
             object.__setattr__(
                 self, "lora_targets", validate.strings("lora_targets", self.lora_targets, error=PlanError)
             )
 
+    def for_gpu(self, gpu: GPU | None) -> Setup:
+        """This setup with its precision, if None, the one `gpu` runs (`default_precision`)."""
+        if self.precision is not None:
+            return self
+        return replace(self, precision=default_precision(gpu, self.quant, self.gpus))
+
     def validate(self) -> Setup:
-        """The setup itself, or PlanError naming the bad value."""
+        """The setup itself, or PlanError naming the bad value (a precision left None: as with no GPU)."""
+        if self.precision is None:
+            self.for_gpu(None).validate()
+            return self
         validate.strict_bool("prepare_kbit", self.prepare_kbit, error=PlanError)
         validate.strict_bool("legacy_causal_lm_loss", self.legacy_causal_lm_loss, error=PlanError)
         validate.strict_bool("empty_cache_each_step", self.empty_cache_each_step, error=PlanError)
@@ -240,12 +149,16 @@ class Setup:
         return self
 
     @property
+    def _precision(self) -> str:
+        return self.precision or default_precision(None, self.quant, self.gpus)
+
+    @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype of the model's weights as stored on the device (the compute dtype for QLoRA)."""
         return (
             torch.float32
             if self.autocast_dtype is not None
-            else _DTYPES[self.precision.split("-")[self.precision.startswith("mixed")]]
+            else _DTYPES[self._precision.split("-")[self._precision.startswith("mixed")]]
         )
 
     @property
@@ -257,12 +170,12 @@ class Setup:
     @property
     def fp32_main_grads(self) -> bool:
         """Megatron's recipes: the optimizer reads fp32 main gradients (mixed-*-fp32grads)."""
-        return self.precision.endswith("-fp32grads")
+        return self._precision.endswith("-fp32grads")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype torch.autocast computes in ("amp-*" precisions), or None: no autocast."""
-        return _DTYPES[self.precision[4:]] if self.precision.startswith("amp-") else None
+        return _DTYPES[self._precision[4:]] if self._precision.startswith("amp-") else None
 
 
 def _validate_sharding(setup: Setup) -> None:
@@ -279,16 +192,13 @@ def _validate_sharding(setup: Setup) -> None:
             "plan autocast on one GPU (no --gpus)"
         )
     validate.choice("FSDP wrapping", setup.fsdp_wrapping, FSDP_WRAPPINGS, error=PlanError)
-    if setup.fsdp_reduce_dtype not in (None, "fp32"):
-        raise PlanError(
-            f"fsdp_reduce_dtype must be None (the compute dtype) or 'fp32', got {setup.fsdp_reduce_dtype!r}"
-        )
+    validate.choice("fsdp_reduce_dtype", setup.fsdp_reduce_dtype, FSDP_REDUCE_DTYPES, error=PlanError)
     validate.strict_bool("fsdp_reshard_root", setup.fsdp_reshard_root, error=PlanError)
     if setup.fsdp_version not in FSDP_VERSIONS or isinstance(setup.fsdp_version, bool):
         raise PlanError(f"fsdp_version must be 1 (accelerate's FSDP1) or 2 (FSDP2), got {setup.fsdp_version!r}")
     if (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root, setup.fsdp_version) != (
         "blocks",
-        None,
+        "compute",
         True,
         2,
     ) and setup.shard not in ("zero2", "zero3"):
@@ -301,7 +211,7 @@ def _validate_sharding(setup: Setup) -> None:
         )
     if setup.fsdp_version == 1 and (setup.fsdp_wrapping, setup.fsdp_reduce_dtype, setup.fsdp_reshard_root) != (
         "blocks",
-        None,
+        "compute",
         True,
     ):
         raise PlanError(
@@ -373,6 +283,17 @@ def _validate_toolbox(setup: Setup) -> None:
             "offload_activations with checkpointing: the planner models one of them at a time "
             "(transformers' activation_checkpointing_enable(offload=True) is not modelled)"
         )
+
+
+def default_precision(gpu: GPU | None, quant: str = "none", gpus: int | None = None) -> str:
+    """The precision a setup that names none is planned in (lesson 1, docs/planner.md's defaults): on a GPU
+    target the Trainer's bf16=True, amp-bf16 (amp-fp16 on a GPU without bf16 hardware, lesson 5's T4
+    recipe); without a GPU, or with --gpus (data parallelism and sharding are planned for it), the
+    master-copy recipe, mixed-bf16 or mixed-fp16; the plain compute dtype for a 4-bit base."""
+    half = "bf16" if gpu is None or gpu.bf16 else "fp16"
+    if quant != "none":
+        return half
+    return f"amp-{half}" if gpu is not None and gpus is None else f"mixed-{half}"
 
 
 def itemsize(dtype: torch.dtype) -> int:

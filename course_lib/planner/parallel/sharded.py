@@ -30,7 +30,8 @@ import math
 
 from course_lib.measure import format_bytes
 from course_lib.models import ModelSpec
-from course_lib.planner.config.setup import PlanError, Setup, itemsize
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.setup import Setup, itemsize
 from course_lib.planner.parallel.fsdp import fsdp_values
 from course_lib.planner.states.model_states import ModelStates, optimizer_step_extra
 

@@ -9,7 +9,8 @@ import torch
 
 from course_lib import checkpointing, validate
 from course_lib.models import ModelSpec
-from course_lib.planner.config.setup import PlanError, Setup, itemsize
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.setup import Setup, itemsize
 from course_lib.planner.states.model_states import ModelStates, optimizer_step_extra
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from course_lib.measure import format_bytes
+from course_lib.planner.config.errors import PlanError
 from course_lib.planner.config.gpus import GPU, GPUS
-from course_lib.planner.config.setup import PlanError, Setup
+from course_lib.planner.config.setup import Setup
 from course_lib.planner.predict import Trick, predict
 
 ZERO3_GPUS = (2, 4, 8, 16, 32, 64)

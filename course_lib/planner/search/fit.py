@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from course_lib import validate
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.fields import SHARDS
 from course_lib.planner.config.gpus import GPU, get_gpu
-from course_lib.planner.config.setup import DEFAULT_LORA_RANK, SHARDS, PlanError, Setup
+from course_lib.planner.config.setup import DEFAULT_LORA_RANK, Setup
 from course_lib.planner.predict import Plan, Trick, predict
 from course_lib.planner.trace.toolbox import toolbox_tricks
 

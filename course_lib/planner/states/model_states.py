@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from course_lib import validate
 from course_lib.models import ModelSpec, ParamInfo
 from course_lib.paging.policies import BNB_MIN_8BIT_SIZE
-from course_lib.planner.config.setup import OPTIMIZERS, PlanError, Setup, itemsize
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.fields import OPTIMIZERS
+from course_lib.planner.config.setup import Setup, itemsize
 
 # bitsandbytes 0.50.2 (optim/optimizer.py, Optimizer2State; docs/references.md): 8-bit blockwise
 # state, 256 values per float32 absmax; tensors below 4096 elements keep 32-bit state; two 256-entry

@@ -13,7 +13,8 @@ import torch
 from course_lib.cache import memo
 from course_lib.checkpointing import apply_plan, named_plan
 from course_lib.models import ModelSpec
-from course_lib.planner.config.setup import PlanError, Setup
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.setup import Setup
 from course_lib.planner.trace.autocast import MetaAutocast
 from course_lib.planner.trace.compose import shallow_depth, shallow_spec
 from course_lib.planner.trace.deep_stream import deep_stream, live_peak, mark_positions

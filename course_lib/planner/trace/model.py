@@ -10,7 +10,8 @@ import torch
 
 from course_lib.layers import find_layer_stack
 from course_lib.models import ModelSpec, build_model, supported_attention, transformers_config
-from course_lib.planner.config.setup import PlanError, Setup
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.setup import Setup
 from course_lib.planner.trace.moe import refuse_lora_on_experts
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from course_lib.models import ModelSpec
-from course_lib.planner.config.setup import PlanError, Setup, itemsize
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.setup import Setup, itemsize
 
 
 def refuse_lora_on_experts(model: torch.nn.Module, spec: ModelSpec, setup: Setup) -> None:

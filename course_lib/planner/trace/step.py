@@ -13,7 +13,8 @@ import torch
 from course_lib.cache import cached
 from course_lib.caching_allocator import stream_slacks
 from course_lib.models import ModelSpec
-from course_lib.planner.config.setup import PlanError, Setup, itemsize
+from course_lib.planner.config.errors import PlanError
+from course_lib.planner.config.setup import Setup, itemsize
 from course_lib.planner.trace.autocast import MetaAutocast
 from course_lib.planner.trace.compose import composed_trace
 from course_lib.planner.trace.deep_stream import mark_positions
