@@ -21,8 +21,8 @@ ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)  # JupyterLab refuses
 FLOORS ?= .venv-floors
 FLOORS_CONSTRAINTS ?= constraints-floors.txt
 FLOORS_READY := $(FLOORS)/.ready
-FLOORS_TESTS := notebooks tests/test_trace_compose.py tests/test_checkpointing_apply.py \
-	tests/test_accumulation_trainer.py tests/test_qlora.py
+FLOORS_TESTS := notebooks tests/planner/test_trace_compose.py tests/checkpointing/test_checkpointing_apply.py \
+	tests/accumulation/test_accumulation_trainer.py tests/qlora/test_qlora.py
 
 .PHONY: lab test test-floors exercises browser-test
 

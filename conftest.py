@@ -45,3 +45,10 @@ def tiny_config(tmp_path_factory) -> str:
         )
     )
     return str(path)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every cell nbval collects from a notebook is marked `notebook` (pyproject.toml's markers)."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebook)

@@ -83,14 +83,14 @@ MUTANTS = [
         "if logits.dtype in (torch.float16, torch.bfloat16):",
         "if logits.dtype == torch.float16:",
         KILLS,
-        "tests/test_accumulation.py",
+        "tests/accumulation/test_accumulation.py",
     ),
     m(
         "accumulation.count_unshifted",
         "accumulation/losses.py",
         'return int((batch["labels"][:, 1:] != self.ignore_index).sum())',
         'return int((batch["labels"] != self.ignore_index).sum())',
-        "tests/test_accumulation.py",
+        "tests/accumulation/test_accumulation.py",
     ),
     m(
         "accumulation.zero_clip_accepted",
@@ -98,7 +98,7 @@ MUTANTS = [
         'validate.positive("max_grad_norm (or None: no clipping)", max_grad_norm)',
         'validate.finite("max_grad_norm (or None: no clipping)", max_grad_norm, at_least=0)',
         KILLS,
-        "tests/test_accumulation.py",
+        "tests/accumulation/test_accumulation.py",
     ),
     # checkpointing (lesson 3)
     m(
@@ -106,14 +106,14 @@ MUTANTS = [
         "checkpointing/optimal.py",
         "return fitting[-1]",
         "return fitting[0]",
-        "tests/test_checkpointing.py",
+        "tests/checkpointing/test_checkpointing.py",
     ),
     m(
         "checkpointing.budget_strict",
         "checkpointing/optimal.py",
         "if peak <= budget_bytes]",
         "if peak < budget_bytes]",
-        "tests/test_checkpointing.py",
+        "tests/checkpointing/test_checkpointing.py",
     ),
     m(
         "checkpointing.sqrt_floored",
@@ -121,7 +121,7 @@ MUTANTS = [
         "max(1, round(math.sqrt(n_layers)))",
         "max(1, int(math.sqrt(n_layers)))",
         KILLS,
-        "tests/test_checkpointing.py",
+        "tests/checkpointing/test_checkpointing.py",
     ),
     # paging (lesson 4)
     m(
@@ -130,7 +130,7 @@ MUTANTS = [
         "if resident[start : start + span].sum() > threshold * span:",
         "if resident[start : start + span].sum() >= threshold * span:",
         KILLS,
-        "tests/test_paging.py",
+        "tests/paging/test_paging.py",
     ),
     m(
         "paging.threshold_1_refused",
@@ -138,7 +138,7 @@ MUTANTS = [
         "if not 0 < self.density_threshold <= 1:",
         "if not 0 < self.density_threshold < 1:",
         KILLS,
-        "tests/test_paging.py",
+        "tests/paging/test_paging.py",
     ),
     m(
         "paging.small_block_boundary",
@@ -147,7 +147,7 @@ MUTANTS = [
         "if block < SMALL_SIZE:",
         KILLS,
         "tests/test_caching_allocator.py",
-        "tests/test_paging.py",
+        "tests/paging/test_paging.py",
     ),
     m(
         "paging.segment_rounds_up_always",
@@ -156,7 +156,7 @@ MUTANTS = [
         "return (block // ROUND_LARGE + 1) * ROUND_LARGE",
         KILLS,
         "tests/test_caching_allocator.py",
-        "tests/test_paging.py",
+        "tests/paging/test_paging.py",
     ),
     # sharding (lesson 6)
     m(
@@ -164,7 +164,7 @@ MUTANTS = [
         "sharding/tracking.py",
         "self.sent[name] += ring_factor * nbytes * (n - 1) // n",
         "self.sent[name] += ring_factor * nbytes",
-        "tests/test_sharding.py",
+        "tests/sharding/test_sharding.py",
     ),
     # toolbox (lesson 7)
     m(
@@ -173,21 +173,21 @@ MUTANTS = [
         'return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")',
         'return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")',
         KILLS,
-        "tests/test_toolbox.py",
+        "tests/toolbox/test_toolbox.py",
     ),
     m(
         "toolbox.mean_over_all_positions",
         "toolbox/chunked_loss.py",
         "return total / (targets != ignore_index).sum().clamp(min=1)",
         "return total / max(targets.numel(), 1)",
-        "tests/test_toolbox.py",
+        "tests/toolbox/test_toolbox.py",
     ),
     m(
         "toolbox.recompute_swapped",
         "toolbox/chunked_loss.py",
         "        if recompute:",
         "        if not recompute:",
-        "tests/test_toolbox.py",
+        "tests/toolbox/test_toolbox.py",
     ),
     m(
         "toolbox.zero_bytes_refused",
@@ -195,7 +195,7 @@ MUTANTS = [
         "validate.finite(name, value, at_least=0)",
         "validate.finite(name, value, above=0)",
         KILLS,
-        "tests/test_toolbox.py",
+        "tests/toolbox/test_toolbox.py",
     ),
     # memory, the planner (floor 3)
     m(
@@ -204,7 +204,7 @@ MUTANTS = [
         "rank = sizes.index(min(sizes))",
         "rank = len(sizes) - 1 - sizes[::-1].index(min(sizes))",
         KILLS,
-        "tests/test_sharding.py",
+        "tests/sharding/test_sharding.py",
     ),
     m(
         "planner.zero1_smallest_first",
@@ -212,21 +212,21 @@ MUTANTS = [
         "for i in sorted(range(len(shapes)), key=lambda i: math.prod(shapes[i]), reverse=True):",
         "for i in sorted(range(len(shapes)), key=lambda i: math.prod(shapes[i])):",
         KILLS,
-        "tests/test_sharding.py",
+        "tests/sharding/test_sharding.py",
     ),
     m(
         "planner.offload_weights_copied_once",
         "planner/parallel/sharded.py",
         '"pcie_per_step": 2 * fp32_weights - root_once + fp32_grads,',
         '"pcie_per_step": fp32_weights - root_once + fp32_grads,',
-        "tests/test_sharding.py",
+        "tests/sharding/test_sharding.py",
     ),
     m(
         "planner.offload_kept_root_copied_twice",
         "planner/parallel/sharded.py",
         "root_once = 0 if plan.setup.fsdp_reshard_root else",
         "root_once = 0 if True else",
-        "tests/test_sharding.py",
+        "tests/sharding/test_sharding.py",
     ),
     m(
         "planner.paper_shares_floored",
@@ -234,7 +234,7 @@ MUTANTS = [
         "out[category] = math.ceil(values[category] / n)",
         "out[category] = values[category] // n",
         KILLS,
-        "tests/test_sharding.py",
+        "tests/sharding/test_sharding.py",
     ),
     m(
         "planner.int32_token_ids",
@@ -242,21 +242,21 @@ MUTANTS = [
         "batch = 2 * setup.batch * setup.seq * 8",
         "batch = 2 * setup.batch * setup.seq * 4",
         KILLS,
-        "tests/test_memory.py",
+        "tests/planner/test_planner.py",
     ),
     m(
         "planner.qmaps_half",
         "planner/states/model_states.py",
         "BNB_QMAPS_BYTES = 2 * 256 * 4",
         "BNB_QMAPS_BYTES = 256 * 4",
-        "tests/test_memory.py",
+        "tests/planner/test_planner.py",
     ),
     m(
         "planner.nf4_no_code_table",
         "planner/states/model_states.py",
         "return packed, blocks * 4 + 16 * 4",
         "return packed, blocks * 4",
-        "tests/test_memory.py",
+        "tests/planner/test_planner.py",
     ),
     m(
         "planner.bf16_from_sm90",
@@ -264,7 +264,7 @@ MUTANTS = [
         "return self.compute_capability >= (8, 0)",
         "return self.compute_capability > (8, 0)",
         KILLS,
-        "tests/test_memory.py",
+        "tests/planner/test_planner.py",
     ),
     m(
         "planner.accumulation_trick_from_batch_3",
@@ -272,7 +272,7 @@ MUTANTS = [
         "    if setup.batch > 1:\n        exact.append",
         "    if setup.batch > 2:\n        exact.append",
         KILLS,
-        "tests/test_memory.py",
+        "tests/planner/test_planner.py",
     ),
     # qlora (lesson 5)
     m(
@@ -280,7 +280,7 @@ MUTANTS = [
         "qlora/recipe.py",
         "return replace(self, batch=self.effective_batch, accum=1)",
         "return replace(self, accum=1)",
-        "tests/test_qlora.py",
+        "tests/qlora/test_qlora.py",
     ),
     m(
         "qlora.batch_0_accepted",
@@ -288,7 +288,7 @@ MUTANTS = [
         "or not isinstance(value, int) or value < 1:",
         "or not isinstance(value, int) or value < 0:",
         KILLS,
-        "tests/test_qlora.py",
+        "tests/qlora/test_qlora.py",
     ),
     # checks (the exercises' checks)
     m(
@@ -297,7 +297,7 @@ MUTANTS = [
         "assert alloc_in < lru_in, (",
         "assert alloc_in <= lru_in, (",
         KILLS,
-        "tests/test_checks.py",
+        "tests/checks/test_checks.py",
     ),
     m(
         "checks.mru_ties",
@@ -305,7 +305,7 @@ MUTANTS = [
         "assert mru[0] < lru[0], (",
         "assert mru[0] <= lru[0], (",
         KILLS,
-        "tests/test_checks.py",
+        "tests/checks/test_checks.py",
     ),
     m(
         "checks.step3_one_key",
@@ -313,7 +313,7 @@ MUTANTS = [
         "    for key in want:\n",
         "    for key in list(want)[:1]:\n",
         KILLS,
-        "tests/test_checks.py",
+        "tests/checks/test_checks.py",
     ),
     m(
         "checks.zero_kinds_skip_weights",
@@ -321,7 +321,7 @@ MUTANTS = [
         "wrong = [kind for kind in _KINDS if abs(got[kind] - expected[kind]) > gpus]",
         'wrong = [kind for kind in _KINDS if kind != "weights" and abs(got[kind] - expected[kind]) > gpus]',
         KILLS,
-        "tests/test_sharding.py",
+        "tests/sharding/test_sharding.py",
     ),
     m(
         "checks.best_plan_one_extra_recompute",
@@ -329,7 +329,7 @@ MUTANTS = [
         "assert _recomputed(plan) <= best_recompute, (",
         "assert _recomputed(plan) <= best_recompute + 1, (",
         KILLS,
-        "tests/test_checks.py",
+        "tests/checks/test_checks.py",
     ),
     m(
         "checks.best_plan_no_raise_needed",
@@ -337,7 +337,7 @@ MUTANTS = [
         '            raise AssertionError(\n                f"best_plan(saved={saved}, inputs={inputs}, budget={minimum - 1}) returned "',
         '            print(\n                f"best_plan(saved={saved}, inputs={inputs}, budget={minimum - 1}) returned "',
         KILLS,
-        "tests/test_checks.py",
+        "tests/checks/test_checks.py",
     ),
     m(
         "checks.forward_runs_not_checked",
@@ -345,14 +345,14 @@ MUTANTS = [
         '    assert runs == expected, f"forward runs',
         '    assert runs == expected or runs == [1] * 6, f"forward runs',
         KILLS,
-        "tests/test_checks.py",
+        "tests/checks/test_checks.py",
     ),
     m(
         "checks.saved_bytes_hint_batch",
         "checks/measuring.py",
         "    if predicted == 4 * (inputs + hidden):",
         "    if predicted == 4 * (inputs + hidden + out):",
-        "tests/test_checks.py",
+        "tests/checks/test_checks.py",
     ),
     # exercises (generation and grading)
     m(
@@ -360,7 +360,7 @@ MUTANTS = [
         "grading/generate.py",
         "indent = line[: len(line) - len(line.lstrip())]",
         'indent = ""',
-        "tests/test_exercises.py::test_strip_solutions_keeps_the_indentation_and_the_rest",
+        "tests/grading/test_exercises.py::test_strip_solutions_keeps_the_indentation_and_the_rest",
     ),
     m(
         "exercises.ids_tie_picks_one",
@@ -368,7 +368,7 @@ MUTANTS = [
         "shared[best] and list(shared.values()).count(shared[best]) == 1 else None",
         "shared[best] else None",
         KILLS,
-        "tests/test_grading.py::test_a_submission_is_identified_by_metadata_then_file_name_then_cell_ids",
+        "tests/grading/test_grading.py::test_a_submission_is_identified_by_metadata_then_file_name_then_cell_ids",
     ),
 ]
 

@@ -25,7 +25,7 @@ check_environment();"""
 
 
 # Characters a text output may take: wider, a table's rows wrap in JupyterLab at 1280 px with the
-# sidebar closed (tests/test_notebook_saving.py).
+# sidebar closed (tests/grading/test_notebook_saving.py).
 TEXT_WIDTH = 110
 
 

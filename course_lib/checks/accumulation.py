@@ -2,7 +2,7 @@
 
 Each check builds small models and data, runs the learner's function and an independent ground truth
 (the whole window as one batch), and raises AssertionError with a hint naming the classic mistake it
-recognised. `tests/test_accumulation.py` proves that each mistake is caught, by running these checks
+recognised. `tests/accumulation/test_accumulation.py` proves that each mistake is caught, by running these checks
 on the broken loops of `course_lib.accumulation.broken` and on the exercise's planted loop.
 """
 

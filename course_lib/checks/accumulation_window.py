@@ -2,7 +2,7 @@
 
 The check accumulates each window itself (rightly) and calls the learner's `finish_window` after the
 window's last backward; it compares the weights with training on each window as one batch, the window
-whose gradients overflowed left out. `tests/test_accumulation.py` proves that each mistake is named.
+whose gradients overflowed left out. `tests/accumulation/test_accumulation.py` proves that each mistake is named.
 """
 
 from __future__ import annotations

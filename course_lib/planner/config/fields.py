@@ -273,7 +273,7 @@ class Parallel:
             "2: FSDP2 (fully_shard, `course_lib.sharding.engines`); 1: accelerate's FSDP1, the Trainer's FSDP"
             " recipes (FullyShardedDataParallel: zero2 = SHARD_GRAD_OP, zero3 = FULL_SHARD, each layer a "
             "unit, LoRA's adapters units of their own as peft's fsdp_auto_wrap_policy makes them; "
-            "tests/test_fsdp1.py)"
+            "tests/planner/test_fsdp1.py)"
         ),
     ] = 2
     fsdp_wrapping: Annotated[

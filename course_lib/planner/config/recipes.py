@@ -31,7 +31,7 @@ RECIPES: dict[str, dict] = {
     },
     # Answer.AI's fsdp_qlora template (benchmarks_03_2024.md): 2 GPUs, FSDP1 full shard of a 4-bit base with
     # bf16 adapters (peft before 0.11), every layer checkpointed, the model wrapped from the CPU with
-    # sync_module_states (tests/test_fsdp_wrap.py plans the same setup)
+    # sync_module_states (tests/planner/test_fsdp_wrap.py plans the same setup)
     "fsdp-qlora": {
         "precision": "bf16",
         "lora_rank": 64,

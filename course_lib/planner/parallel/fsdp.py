@@ -33,7 +33,7 @@ delayed on a loaded machine rather than FSDP2's schedule (seen on gloo: gpt2-6L 
 FSDP + QLoRA (lesson 6): the packed 4-bit weights, stored in `bnb_4bit_quant_storage` elements (bf16),
 are sharded and gathered like any 16-bit tensor; the quant_state is module state, whole on every rank;
 the frozen base makes no gradient, so only the adapters' gradients are unsharded and reduce-scattered
-(`unit_sizes` counts each group in bytes). `tests/test_fsdp_qlora.py` measures it on gloo.
+(`unit_sizes` counts each group in bytes). `tests/sharding/test_fsdp_qlora.py` measures it on gloo.
 
 `setup.fsdp_version == 1`: accelerate's FSDP1 (FullyShardedDataParallel; the Trainer's FSDP recipes). Its
 flat parameter is gathered into itself (no separate all-gather buffer), the root stays gathered from
@@ -43,7 +43,7 @@ backward_prefetch (NO_PREFETCH) gathers one layer at a time in backward; `setup.
 backward. The Trainer wraps LoRA's adapters as units of their own (transformers/distributed/fsdp.py
 `update_fsdp_plugin_peft`, peft's `fsdp_auto_wrap_policy`), so the frozen layers' flat parameters make no
 gradient, as under FSDP2.
-`tests/test_fsdp1.py` measures it on gloo.
+`tests/planner/test_fsdp1.py` measures it on gloo.
 
 Mixed precision is `MixedPrecisionPolicy(param_dtype=16-bit)` on an fp32 model: the shards of the
 weights and of the gradients are fp32 (they are the master weights: no 16-bit shard), the gathered

@@ -21,7 +21,7 @@ It sees the calls Python makes (F.linear, torch.matmul, a tensor's methods and o
 C++ composite makes inside itself, which autocast casts too (einsum's bmm on CPU); the Hugging Face
 decoders the planner traces call the listed ops from Python. HF's `maybe_autocast` does nothing on meta
 tensors, so a region the model itself runs without autocast is not seen either (GPT-2's
-`reorder_and_upcast_attn`). `tests/test_memory.py` checks the CPU policy against `torch.autocast("cpu")`,
+`reorder_and_upcast_attn`). `tests/planner/test_planner.py` checks the CPU policy against `torch.autocast("cpu")`,
 in bf16 and fp16, on the ops the decoders call and some they do not (25 calls, not every listed op); the
 CUDA lists are read from torch's source and not yet checked on a GPU.
 """

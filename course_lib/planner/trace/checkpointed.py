@@ -1,6 +1,6 @@
 """The reserve of a checkpointed step: the step traced with lesson 3's plan applied, its allocations and
 frees replayed through the caching allocator's rules (lesson 1, "the planner"; lesson 3). Predicted: a CPU
-has no caching allocator; `tests/test_reserved.py` checks that the meta-device trace gives the slack a real
+has no caching allocator; `tests/planner/test_reserved.py` checks that the meta-device trace gives the slack a real
 CPU step's stream gives."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ periods of the middle, the last period, and what runs before and after the layer
 the trace (each peak at each position, the gradients live at it) grows by the same amount from one period more:
 the deep model's value is the shallow one's plus that step times the periods added. The middle
 periods in between lie on the same line, so a peak over them is at one of its two ends.
-`tests/test_trace_compose.py` checks the result against a full trace, byte for byte, for every
+`tests/planner/test_trace_compose.py` checks the result against a full trace, byte for byte, for every
 bundled model in several setups; any sign that the layers do not repeat falls back to the full trace.
 """
 

@@ -17,7 +17,7 @@ from course_lib.measure import measure_step
 from course_lib.models import build_model, spec_from_model
 from course_lib.planner import Setup, plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = importlib.util.spec_from_file_location("published_accuracy", ROOT / "benchmarks" / "published_accuracy.py")
 accuracy = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = accuracy  # its dataclass looks its module up

@@ -14,7 +14,7 @@ from course_lib.planner import Setup, plan
 from course_lib.planner.config import command
 from course_lib.planner.config.fields import GROUPS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _choices(annotation) -> tuple:

@@ -15,6 +15,8 @@ from course_lib.sharding import run_ranks
 from course_lib.sharding.engines import wrap
 from course_lib.sharding.tracking import RankTracker
 
+pytestmark = pytest.mark.slow  # gloo ranks in processes of their own
+
 BUILD = functools.partial(tiny_decoder, "llama", n_layers=3, hidden=128, vocab=256)
 BATCH, SEQ, N, RANK = 2, 32, 2, 8
 QLORA = dict(precision="bf16", optimizer="adamw", lora_rank=RANK, quant="nf4-dq", batch=BATCH, seq=SEQ)

@@ -607,7 +607,7 @@ def test_the_spike_experiment_is_clear_of_the_capacity_by_the_margin(gib):
 
 def test_no_call_that_ends_the_process():
     # prefetch_tensor(..., to_cpu=True) ends the process on CUDA (csrc/pythonInterface.cpp): never called
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for folder in ("course_lib", "benchmarks"):
         for path in (root / folder).rglob("*.py"):
             assert "to_cpu=True" not in path.read_text(), path

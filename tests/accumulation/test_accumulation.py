@@ -744,7 +744,7 @@ def test_benchmark_script_prints_the_table_and_writes_the_plot(tmp_path, capsys)
     import matplotlib
 
     matplotlib.use("Agg")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "accumulation_cost.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "accumulation_cost.py"
     spec = importlib.util.spec_from_file_location("accumulation_cost", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

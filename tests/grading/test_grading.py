@@ -24,7 +24,7 @@ from course_lib.grading.restore import FRESH_CHECKS
 
 grading = importlib.import_module("course_lib.grading.grade")  # the module: the package's `grade` is its function
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISE = ROOT / "exercises" / "01_adam_memory.ipynb"
 COURSE_LIB = str(Path(sys.executable).parent / "course-lib")
@@ -169,6 +169,7 @@ def patched_and_wrapped(notebook):
     )
 
 
+@pytest.mark.slow
 def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_another(tmp_path):
     """One class run: each submission is FAIL with a one-line reason (the loop under --timeout, the dead
     kernel at once, a wrong answer with its hint and no traceback, a notebook that is not an exercise or
@@ -308,6 +309,7 @@ def spawn_detached(pid_file: Path, victim: Path) -> str:
     )
 
 
+@pytest.mark.slow
 def test_no_hole_of_the_second_review_passes_and_the_honest_solution_still_does(tmp_path):
     """One class run, alone (--jobs 1): a detached grandchild that rewrites another learner's notebook is
     dead when the grade ends (and the notebook is as it was); a submission that rewrites the reference's
@@ -479,6 +481,7 @@ LEARNERS_REAL_RESULTS = {
 }
 
 
+@pytest.mark.slow
 def test_a_kernel_that_does_not_start_is_started_again_and_the_learners_real_result_comes_back(
     tmp_path, monkeypatch, capsys, ports_taken
 ):
@@ -493,6 +496,7 @@ def test_a_kernel_that_does_not_start_is_started_again_and_the_learners_real_res
     assert f"class/ada/{EXERCISE.name}: the grader could not start a kernel; it is graded again at the end" in out
 
 
+@pytest.mark.slow
 def test_a_kernel_that_never_starts_is_an_error_not_a_fail_and_only_errors_grades_it_again(
     tmp_path, monkeypatch, capsys, ports_taken
 ):
@@ -534,6 +538,7 @@ def test_jobs_default_to_the_cpu_cores_or_the_memory_whichever_binds(monkeypatch
 # --- the design card's route: pytest --nbval-lax on an exercise --------------------------------------
 
 
+@pytest.mark.slow
 def test_nbval_lax_on_an_exercise_fails_exactly_at_its_check_cells_and_passes_when_solved(tmp_path):
     """nbval-lax fails a cell only when it raises (no exercise cell compares its output: the markers
     are checked below), so on the unsolved exercise exactly the check cells fail, and on its answers

@@ -12,7 +12,7 @@ import pytest
 from course_lib.grading import as_jupyterlab_saves, shown_widget_models
 from course_lib.grading.kernelspec import WIDGET_STATE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXECUTED = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions") for p in (ROOT / folder).glob("*.ipynb"))
 ALL = sorted(EXECUTED + [p.relative_to(ROOT) for p in (ROOT / "exercises").glob("*.ipynb")])
 WIDTH = 110  # characters: a text table wider than this wraps its rows at 1280 px with the sidebar closed

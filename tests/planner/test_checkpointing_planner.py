@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_gemma2_plans_with_eager_attention_and_a_clean_output():
     result = subprocess.run(
         [sys.executable, "-m", "course_lib.cli", "plan", "gemma-2-2b", "--gpu", "t4", "--checkpointing", "every-layer"],

@@ -11,6 +11,8 @@ import pytest
 from course_lib.accumulation import ddp_accumulation_demo
 from course_lib.checks import check_ddp_accumulation
 
+pytestmark = pytest.mark.slow  # gloo ranks in processes of their own
+
 VARIANTS = [(), ("sync_every_micro_batch",), ("never_sync",), ("count_per_rank",)]
 
 

@@ -29,7 +29,7 @@ from course_lib.grading import (
     write_exercises,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 COURSE_LIB = str(Path(sys.executable).parent / "course-lib")
 
@@ -264,6 +264,7 @@ def test_a_damaged_exercises_folder_is_one_clear_line_and_loses_nothing(tmp_path
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
 def test_grading_passes_the_solution_and_fails_the_exercise_at_its_checks_only(tmp_path, solution):
     """An instructor's run: one folder per learner, one solved and one untouched; every notebook is

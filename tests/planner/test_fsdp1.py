@@ -17,6 +17,8 @@ from course_lib.planner.parallel.fsdp import layer_and_root_numels
 from course_lib.sharding import run_ranks
 from course_lib.sharding.tracking import RankTracker
 
+pytestmark = pytest.mark.slow  # gloo ranks in processes of their own
+
 BUILD = functools.partial(tiny_decoder, "llama", n_layers=3, hidden=128, vocab=256)
 BATCH, SEQ, N, RANK = 2, 32, 2, 8
 # (what is trained, how FSDP1 wraps it, its backward_prefetch: accelerate's none, or FSDP1's own BACKWARD_PRE)
