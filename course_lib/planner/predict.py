@@ -22,6 +22,7 @@ from course_lib.planner.parallel.fsdp_wrap import after_wrap, wrap_extra
 from course_lib.planner.parallel.sharded import sharded_values
 from course_lib.planner.phases.activations import step_phases
 from course_lib.planner.states.model_states import model_states, target_match
+from course_lib.planner.trace.moe import unquantized_experts_note
 from course_lib.planner.trace.step_trace import trace_request
 from course_lib.planner.trace.toolbox import toolbox_notes
 
@@ -191,7 +192,7 @@ class Plan:
                 )
         if self.closing:
             lines.append(self.closing)
-        lines += [f"note: {note}" for note in self.notes]
+        lines += [note if note.startswith("warning: ") else f"note: {note}" for note in self.notes]
         return wrapped("\n".join(lines))
 
 
@@ -240,6 +241,9 @@ def predict(model, setup: Setup, card: GPU | None) -> Plan:
     if setup.optimizer_in_backward:  # lesson 7: each gradient is freed in backward, right after its update
         states = replace(states, gradients=0)
     notes: list[str] = warned
+    experts_note = unquantized_experts_note(spec, setup) if spec is not None else None
+    if experts_note:  # first: the plan's weights are not what a QLoRA user expects
+        notes.insert(0, experts_note)
     detail: dict = {}
     # with only a parameter count: the step holds the model states and nothing else known
     phases = {"optimizer step": {"gradients": states.gradients, "activations": 0, "optimizer_temporaries": 0}}

@@ -4,6 +4,7 @@ experts are 3-D parameters that bitsandbytes leaves unquantized, planned or refu
 import pytest
 
 from course_lib import cli
+from course_lib.measure import format_bytes
 from course_lib.models import model_spec
 from course_lib.planner import PlanError, plan
 from course_lib.planner.states.model_states import nf4_bytes
@@ -45,3 +46,18 @@ def test_a_mixtral_qlora_on_the_attention_keeps_the_experts_16_bit_and_fp32_afte
     assert 2 * experts < plain.bytes["weights"] < 2 * spec.n_params
     assert prepared.bytes["weights"] - plain.bytes["weights"] >= 2 * experts  # the experts upcast to fp32
     assert prepared.bytes["activations"] > 0 and prepared.total > plain.total
+
+
+def test_a_4bit_plan_of_fused_experts_warns_how_much_stays_unquantized_and_why():
+    spec = model_spec("mixtral-8x7b")
+    experts = _experts(spec)
+    options = dict(precision="bf16", lora_rank=16, lora_targets=ATTENTION, seq=64)
+    for prepare, size in ((False, 2), (True, 4)):
+        result = plan(spec, quant="nf4", prepare_kbit=prepare, **options)
+        warning = result.notes[0]
+        assert warning.startswith("warning: --quant nf4 leaves ") and "bitsandbytes/issues/1849" in warning
+        assert format_bytes(experts * size) in warning
+        assert str(result).count(warning.split(":")[0] + ":") == 1  # printed as a warning, not a note
+    assert not any("1849" in note for note in plan(spec, **options).notes)  # no 4-bit base: nothing to warn
+    dense = plan("llama-3.2-1b", precision="bf16", lora_rank=16, quant="nf4-dq", seq=64)
+    assert not any("1849" in note for note in dense.notes)  # no fused experts: every linear layer packed

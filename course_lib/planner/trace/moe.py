@@ -21,21 +21,45 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.measure import format_bytes
 from course_lib.models import ModelSpec
 from course_lib.planner.config.errors import PlanError
 from course_lib.planner.config.setup import Setup, itemsize
+
+
+def fused_experts(spec: ModelSpec, setup: Setup) -> tuple[int, int, str]:
+    """(elements, stored bytes, dtype's name) of the model's fused 3-D experts as `setup` stores them: in
+    the weights' dtype, fp32 after prepare_model_for_kbit_training; (0, 0, ...) for a model without them."""
+    experts = sum(info.numel for info in spec.params if len(info.shape) == 3)
+    size = 4 if setup.prepare_kbit else itemsize(setup.weight_dtype)
+    dtype = "fp32 after prepare_model_for_kbit_training" if setup.prepare_kbit else str(setup.weight_dtype)[6:]
+    return experts, experts * size, dtype
+
+
+def unquantized_experts_note(spec: ModelSpec, setup: Setup) -> str | None:
+    """The warning a 4-bit plan of a model with fused experts carries: how much bitsandbytes leaves
+    unquantized, and why (bitsandbytes issue 1849); None without a 4-bit base or fused experts."""
+    experts, stored, dtype = fused_experts(spec, setup)
+    if setup.quant == "none" or not experts:
+        return None
+    return (
+        f"warning: --quant {setup.quant} leaves {format_bytes(stored)} of {spec.name}'s experts in {dtype} "
+        f"({experts / spec.n_params:.0%} of the parameters): transformers 5 stores them as fused 3-D "
+        "parameters, and bitsandbytes' 4-bit quantizer replaces nn.Linear only (transformers' "
+        "integrations/bitsandbytes.py replace_with_bnb_linear; "
+        "https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1849); the per-expert nn.Linear "
+        "layout of transformers 4, whose experts QLoRA does quantize, is not planned"
+    )
 
 
 def refuse_lora_on_experts(model: torch.nn.Module, spec: ModelSpec, setup: Setup) -> None:
     """PlanError, one line, when peft adapted a 3-D experts parameter of the (meta) peft `model`."""
     if not any(type(module).__name__ == "ParamWrapper" for module in model.modules()):
         return
-    experts = sum(info.numel for info in spec.params if len(info.shape) == 3)
-    size = 4 if setup.prepare_kbit else itemsize(setup.weight_dtype)
-    dtype = "fp32 after prepare_model_for_kbit_training" if setup.prepare_kbit else str(setup.weight_dtype)[6:]
+    experts, stored, dtype = fused_experts(spec, setup)
     raise PlanError(
         f"LoRA on {spec.name}'s experts is not modelled: transformers 5 stores them as 3-D parameters "
-        f"({experts / spec.n_params:.0%} of the parameters, {experts * size / 2**30:.1f} GiB in {dtype}), "
+        f"({experts / spec.n_params:.0%} of the parameters, {stored / 2**30:.1f} GiB in {dtype}), "
         "which bitsandbytes' 4-bit quantizer leaves unquantized (it replaces nn.Linear only) and peft's "
         f"{setup.lora_targets!r} adapts through target_parameters; plan LoRA on the attention projections "
         "(lora_targets=('q_proj', 'k_proj', 'v_proj', 'o_proj') in course_lib.planner.plan)"
