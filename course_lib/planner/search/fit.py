@@ -58,6 +58,28 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup, bool]]:
     return [(name, nxt, True) for name, nxt in exact] + [(name, nxt, False) for name, nxt in lossy]
 
 
+# the fields of the tricks that change only what the forward and backward hold: none of them changes the
+# optimizer step's phase, whose gradients, state and temporaries hold no activations
+ACTIVATION_FIELDS = frozenset({"checkpointing", "batch", "accum", "chunked_loss", "offload_activations"})
+
+
+def _saves_enough(current: Plan, after: Plan) -> bool:
+    """Whether `after`'s peak is lower than `current`'s by something worth saying (more than 0.5%)."""
+    return current.total - after.total > current.total // 200
+
+
+def _cannot_save(current: Plan, change: dict) -> bool:
+    """Whether a trick that changes `change`'s fields cannot be worth saying, known without planning it: it
+    changes activations only, and the optimizer step, which holds none, is within 0.5% of the peak (as with
+    checkpointing a full fine-tune whose peak is the step). Spares the fit search the trace of a trick
+    that cannot help, activation offloading's above all (a deep model's is traced in full)."""
+    phases, peak_phase = current.detail.get("phases", {}), current.detail.get("peak_phase")
+    if not change.keys() <= ACTIVATION_FIELDS or "optimizer step" not in phases or peak_phase is None:
+        return False
+    lowest = current.total - sum(phases[peak_phase].values()) + sum(phases["optimizer step"].values())
+    return current.total - lowest <= current.total // 200
+
+
 def _with(setup: Setup, changes: list[dict]) -> Setup:
     """`setup` with each trick's changed fields applied in order; a 4-bit base has no master copy and is
     planned in its compute dtype."""
@@ -88,10 +110,12 @@ def what_makes_it_fit(model, setup: Setup, gpu: str | GPU, current: Plan | None 
     while not current.fits:
         for name, nxt, exact in _candidate_tricks(state, card):
             change = {key: value for key, value in vars(nxt).items() if getattr(state, key) != value}
+            if _cannot_save(current, change):
+                continue
             try:  # a combination the planner refuses (Setup.validate, or its reserve's trace) is no trick
                 candidate = _with(setup, [c for _, c, _ in kept] + [change])
                 after = predict(model, candidate, card)
-                saves = current.total - after.total > current.total // 200  # something worth saying (> 0.5%)
+                saves = _saves_enough(current, after)
                 if saves:
                     after.oom_line  # noqa: B018 (made here, where a refusal is caught; only for a trick kept)
             except PlanError:
