@@ -63,9 +63,14 @@ def _candidate_tricks(setup: Setup, card: GPU) -> list[tuple[str, Setup, bool]]:
 ACTIVATION_FIELDS = frozenset({"checkpointing", "batch", "accum", "chunked_loss", "offload_activations"})
 
 
+def _worth_saying(total: int, lower: int) -> bool:
+    """Whether a peak of `lower` bytes is below `total` by something worth saying (more than 0.5%)."""
+    return total - lower > total // 200
+
+
 def _saves_enough(current: Plan, after: Plan) -> bool:
-    """Whether `after`'s peak is lower than `current`'s by something worth saying (more than 0.5%)."""
-    return current.total - after.total > current.total // 200
+    """Whether `after`'s peak is lower than `current`'s by something worth saying."""
+    return _worth_saying(current.total, after.total)
 
 
 def _cannot_save(current: Plan, change: dict) -> bool:
@@ -77,7 +82,7 @@ def _cannot_save(current: Plan, change: dict) -> bool:
     if not change.keys() <= ACTIVATION_FIELDS or "optimizer step" not in phases or peak_phase is None:
         return False
     lowest = current.total - sum(phases[peak_phase].values()) + sum(phases["optimizer step"].values())
-    return current.total - lowest <= current.total // 200
+    return not _worth_saying(current.total, lowest)
 
 
 def _with(setup: Setup, changes: list[dict]) -> Setup:
