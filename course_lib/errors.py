@@ -6,7 +6,11 @@ Every error class of the library for bad input (`memory.PlanError`, `qlora.Recip
 
 class UserError(ValueError):
     """Bad input from the user: one line that names the argument, the value and what to give instead
-    (`course-lib` prints it, exit status 2). A ValueError, so that `except ValueError` still catches it."""
+    (`course-lib` prints it, exit status 2). A ValueError, so that `except ValueError` still catches it.
+    A message that shows a value whose repr spans lines (a tensor, a module) is put on one line."""
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(" ".join(str(message).split()), *args)
 
 
 # What an unanswered exercise (its stub raises NotImplementedError) shows, in its check cell and in the grade.
