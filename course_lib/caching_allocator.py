@@ -32,6 +32,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from course_lib.validate import checked
+
 KiB, MiB = 1024, 1024 * 1024
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1 * MiB  # kSmallSize: the largest request of the small pool
@@ -46,6 +48,7 @@ def round_size(nbytes: int) -> int:
     return max(MIN_BLOCK, -(-int(nbytes) // MIN_BLOCK) * MIN_BLOCK)
 
 
+@checked
 def segment_size(block: int) -> int:
     """The bytes a new cudaMalloc segment takes for a rounded request the cache cannot serve
     (`get_allocation_size`; lessons 1 and 4)."""

@@ -206,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"course-lib: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a path the file system refuses (too long, not allowed): the user's to change
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"course-lib: error: {where[:120]}{error.strerror or error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from __future__ import annotations
 from torch import nn
 
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 
+@checked
 def find_layer_stack(model: nn.Module) -> nn.ModuleList | nn.Sequential:
     """The repeated layers of a model: the model itself when it is an nn.Sequential or nn.ModuleList,
     else the outermost nn.ModuleList of same-class modules inside it, the longest if several are

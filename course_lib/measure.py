@@ -24,12 +24,14 @@ from torch.utils._pytree import tree_flatten
 from course_lib import validate
 from course_lib.allocator_events import AllocatorEvents, profiler_peak  # noqa: F401  (lesson 0 imports it from here)
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 PHASES = ("forward", "backward", "optimizer")
 AGREE_BYTES = 4 * KiB  # the tracker and the allocator events agree when they differ by no more
 
 
+@checked
 def format_bytes(n: int | float | None) -> str:
     """A byte count in the largest binary unit that keeps it >= 1 (GiB, MiB, KiB, B)."""
     if n is None:
@@ -402,12 +404,19 @@ def _cpu_peaks(run: Callable[[Callable[[str], None]], None], live: Iterable[torc
     return baseline, tracked, events.phase_peaks(baseline, held), tracker.timeline
 
 
+def training_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`loss_fn()`, the forward pass, if it returns a scalar tensor that requires grad; else a UserError
+    (lessons 0 and 3: the loss whose backward is measured)."""
+    loss = loss_fn()
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+        raise UserError("loss_fn must return a scalar tensor that requires grad (the training loss)")
+    return loss
+
+
 def _run_phases(begin: Callable[[str], None], optimizer, loss_fn, recorder: SavedTensorRecorder) -> None:
     begin("forward")
     with recorder:
-        loss = loss_fn()
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-        raise UserError("loss_fn must return a scalar tensor that requires grad (the training loss)")
+        loss = training_loss(loss_fn)
     begin("backward")
     loss.backward()
     del loss

@@ -29,6 +29,7 @@ from course_lib.model_config import (  # noqa: F401
     read_config,
     transformers_config,
 )
+from course_lib.validate import Device
 
 # Published parameter counts (model cards / safetensors metadata of the Hugging Face Hub), checked
 # against meta-device instantiation of the bundled configs in tests/test_models.py.
@@ -54,7 +55,7 @@ PUBLISHED_PARAMETERS = {
 
 def build_model(
     config,
-    device: str | torch.device = "meta",
+    device: Device = "meta",
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> torch.nn.Module:

@@ -11,12 +11,19 @@ import torch.nn.functional as F
 from course_lib import validate
 from course_lib.accumulation.losses import IGNORE_INDEX, Batch
 from course_lib.errors import UserError, UserTypeError
+from course_lib.validate import Count, Device, checked
 
 
+@checked
 def batch_size(batch: Batch) -> int:
-    """Number of rows (samples or sequences) of a batch."""
-    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return int(first.shape[0])
+    """Number of rows (samples or sequences) of a batch: the first dimension, the same in each tensor."""
+    tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
+    if not tensors or any(t.dim() == 0 for t in tensors):
+        raise UserError("a batch is a tuple (inputs, targets) or a dict of tensors, each with a row per sample")
+    rows = {int(t.shape[0]) for t in tensors}
+    if len(rows) > 1:
+        raise UserError(f"the batch's tensors have different numbers of rows {sorted(rows)}: give each the same")
+    return rows.pop()
 
 
 def check_accumulation_steps(k: Any) -> int:
@@ -28,6 +35,7 @@ def check_accumulation_steps(k: Any) -> int:
     return k
 
 
+@checked
 def split_batch(batch: Batch, k: int) -> list[Batch]:
     """Split a batch into `k` micro-batches along the first dimension (lesson 2).
 
@@ -45,6 +53,7 @@ def split_batch(batch: Batch, k: int) -> list[Batch]:
     return [tuple(column[i] for column in columns) for i in range(k)]
 
 
+@checked
 def concat_batches(batches: Sequence[Batch], pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX) -> Batch:
     """Concatenate micro-batches into one batch; token batches are right-padded to a common length."""
     if not batches:
@@ -60,7 +69,8 @@ def concat_batches(batches: Sequence[Batch], pad_token_id: int = 0, ignore_index
     return tuple(torch.cat(column) for column in zip(*batches))
 
 
-def cast_batch(batch: Batch, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Batch:
+@checked
+def cast_batch(batch: Batch, dtype: torch.dtype | None = None, device: Device | None = None) -> Batch:
     """Move a batch to `device` and cast its floating tensors to `dtype` (integer tensors keep theirs)."""
 
     def move(t: torch.Tensor) -> torch.Tensor:
@@ -73,8 +83,9 @@ def cast_batch(batch: Batch, dtype: torch.dtype | None = None, device: torch.dev
     return tuple(move(t) for t in batch)
 
 
+@checked
 def padded_token_examples(
-    n: int, vocab_size: int = 32, max_len: int = 12, min_len: int = 2, seed: int = 0
+    n: Count, vocab_size: Count = 32, max_len: Count = 12, min_len: Count = 2, seed: int = 0
 ) -> list[dict[str, torch.Tensor]]:
     """`n` random token sequences of random lengths in [min_len, max_len] (lesson 2, generated data).
 
@@ -100,6 +111,15 @@ def collate_padded(
     Padding positions get `pad_token_id`, attention 0 and label `ignore_index`, so that they count
     neither in the loss nor in the item count.
     """
+    examples = validate.non_empty("examples", examples, "examples (dicts with input_ids and, optionally, labels)")
+    for index, example in enumerate(examples):
+        validate.instance(f"examples[{index}]", example, dict, "a dict with input_ids (and labels)")
+        if "input_ids" not in example:
+            raise UserError(f"examples[{index}] has no input_ids: give each example its token ids")
+        ids = validate.whole_numbers(f"examples[{index}]['input_ids']", example["input_ids"], what="token ids")
+        if "labels" in example:  # one label a token, never broadcast from a shorter list
+            name, what = f"examples[{index}]['labels']", "labels (one per token id)"
+            validate.whole_numbers(name, example["labels"], length=len(ids), what=what, minimum=None)
     length = max(len(e["input_ids"]) for e in examples)
     ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(examples), length), dtype=torch.long)
@@ -112,8 +132,14 @@ def collate_padded(
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+@checked
 def padded_token_batches(
-    n_batches: int, batch_size: int = 4, vocab_size: int = 32, max_len: int = 12, min_len: int = 2, seed: int = 0
+    n_batches: Count,
+    batch_size: Count = 4,
+    vocab_size: Count = 32,
+    max_len: Count = 12,
+    min_len: Count = 2,
+    seed: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
     """`n_batches` padded token micro-batches of `batch_size` random-length sequences (lesson 2)."""
     n_batches, batch_size, vocab_size, max_len, min_len = (
@@ -130,8 +156,9 @@ def padded_token_batches(
     return [collate_padded(examples[i * batch_size : (i + 1) * batch_size]) for i in range(n_batches)]
 
 
+@checked
 def regression_batches(
-    n_batches: int, batch_size: int = 4, in_features: int = 8, out_features: int = 4, seed: int = 0
+    n_batches: Count, batch_size: Count = 4, in_features: Count = 8, out_features: Count = 4, seed: int = 0
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`n_batches` random `(inputs, targets)` micro-batches for a per-sample loss (lesson 2)."""
     gen = torch.Generator().manual_seed(seed)

@@ -18,6 +18,7 @@ from course_lib.accumulation.tiny_models import group_count
 from course_lib.course import wrapped
 from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
+from course_lib.validate import Count, Device, checked
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -34,6 +35,7 @@ def _replace_modules(model: nn.Module, make: Callable[[nn.Module], nn.Module | N
     return model
 
 
+@checked
 def replace_batchnorm(model: nn.Module, kind: str = "group", num_groups: int | None = None) -> nn.Module:
     """A copy of `model` with every BatchNorm replaced by a per-sample norm (lesson 2, remedy 1).
 
@@ -61,7 +63,31 @@ def replace_batchnorm(model: nn.Module, kind: str = "group", num_groups: int | N
     return _replace_modules(model, make)
 
 
-class _GhostMixin:
+class _BatchNormArguments:
+    """torch's BatchNorm arguments, annotated so that `checked` refuses a bad one in one line."""
+
+    def __init__(
+        self,
+        num_features: Count,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps=eps,
+            momentum=momentum,
+            affine=affine,
+            track_running_stats=track_running_stats,
+            device=device,
+            dtype=dtype,
+        )
+
+
+class _GhostMixin(_BatchNormArguments):
     virtual_batch_size: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,23 +96,27 @@ class _GhostMixin:
         return torch.cat([super(_GhostMixin, self).forward(chunk) for chunk in x.split(self.virtual_batch_size)])
 
 
+@checked
 class GhostBatchNorm1d(_GhostMixin, nn.BatchNorm1d):
     """BatchNorm1d that normalises each chunk of `virtual_batch_size` rows on its own (ghost batches)."""
 
 
+@checked
 class GhostBatchNorm2d(_GhostMixin, nn.BatchNorm2d):
     """BatchNorm2d that normalises each chunk of `virtual_batch_size` rows on its own (ghost batches)."""
 
 
-class _FrozenStatsMixin:
+class _FrozenStatsMixin(_BatchNormArguments):
     def train(self, mode: bool = True):
         return super().train(False)
 
 
+@checked
 class FrozenStatsBatchNorm1d(_FrozenStatsMixin, nn.BatchNorm1d):
     """BatchNorm1d that always normalises with its running statistics; weight and bias still train."""
 
 
+@checked
 class FrozenStatsBatchNorm2d(_FrozenStatsMixin, nn.BatchNorm2d):
     """BatchNorm2d that always normalises with its running statistics; weight and bias still train."""
 
@@ -103,6 +133,7 @@ _GHOST = {nn.BatchNorm1d: GhostBatchNorm1d, nn.BatchNorm2d: GhostBatchNorm2d}
 _FROZEN = {nn.BatchNorm1d: FrozenStatsBatchNorm1d, nn.BatchNorm2d: FrozenStatsBatchNorm2d}
 
 
+@checked
 def ghost_batchnorm(model: nn.Module, virtual_batch_size: int) -> nn.Module:
     """A copy of `model` whose BatchNorms use ghost batches of `virtual_batch_size` rows (remedy 2a).
 
@@ -126,9 +157,10 @@ def ghost_batchnorm(model: nn.Module, virtual_batch_size: int) -> nn.Module:
 
 
 @torch.no_grad()
+@checked
 def freeze_batchnorm_stats(
     model: nn.Module,
-    calibration_batches: Iterable[Batch] | None = None,
+    calibration_batches: Iterable[Batch | tuple[torch.Tensor, None]] | None = None,  # (inputs, None): inputs only
     forward: Callable[[nn.Module, Batch], Any] | None = None,
 ) -> nn.Module:
     """A copy of `model` whose BatchNorms normalise with running statistics, frozen (remedy 2b).
@@ -172,6 +204,7 @@ def freeze_batchnorm_stats(
     return _replace_modules(model, make)
 
 
+@checked
 @dataclass
 class RemedyRow:
     """One BatchNorm remedy, measured with `compare_accumulation` in float64."""
@@ -185,6 +218,7 @@ class RemedyRow:
     vs_batchnorm_whole: float = 0.0  # its whole-batch gradient vs plain BatchNorm's (relative to the largest entry)
 
 
+@checked
 @dataclass
 class RemedyReport(PlainTextTable):
     """The BatchNorm remedies side by side (lesson 2, "BatchNorm remedies")."""
@@ -267,6 +301,7 @@ def _running_stats(c: DtypeComparison) -> tuple[float, str]:
     return stat, text
 
 
+@checked
 def compare_batchnorm_remedies(
     model: nn.Module,
     batch: Batch,

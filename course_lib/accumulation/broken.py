@@ -20,6 +20,7 @@ from course_lib.accumulation.loop import AccumulationLoop, TrainResult, max_weig
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss
 from course_lib.accumulation.tiny_models import TinyTokenLM
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 
 def _own_count(counts: list[int], i: int) -> int:
@@ -170,7 +171,8 @@ def sgd_and_schedule(model: nn.Module, lr: float = 0.5):
     return opt, sched
 
 
-def demonstrate_mistakes(mistakes: Iterable[str] | None = None, seed: int = 0) -> list[tuple[str, float]]:
+@checked
+def demonstrate_mistakes(mistakes: str | Iterable[str] | None = None, seed: int = 0) -> list[tuple[str, float]]:
     """Train with each single-process broken loop; how far do the weights end from the truth (lesson 2)?
 
     Same tiny token model, padded data (10 micro-batches, K=4: a short final window), SGD with

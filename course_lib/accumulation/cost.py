@@ -11,10 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from course_lib import validate
 from course_lib.errors import UserError
 from course_lib.measure import SavedTensorRecorder, format_bytes, optimizer_state_tensors, peak_bytes, storage_bytes
+from course_lib.validate import Count, Device, checked
 
 
+@checked
 @dataclass
 class CostRow:
     """One micro-batch size at a fixed effective batch (lesson 2, "what accumulation costs")."""
@@ -43,7 +46,8 @@ class CostRow:
         return 3 * (self.k - 1) * self.gradients
 
 
-def cost_model(width: int = 512, depth: int = 4, seed: int = 0) -> nn.Sequential:
+@checked
+def cost_model(width: Count = 512, depth: Count = 4, seed: int = 0) -> nn.Sequential:
     """The MLP the cost measurement trains: `depth` Linear(width, width) + LayerNorm + GELU blocks."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
@@ -53,14 +57,15 @@ def cost_model(width: int = 512, depth: int = 4, seed: int = 0) -> nn.Sequential
     return nn.Sequential(*layers)
 
 
+@checked
 def measure_accumulation_cost(
-    effective_batch: int = 64,
+    effective_batch: Count = 64,
     micro_batches: Sequence[int] = (64, 16, 4, 1),
-    width: int = 256,
-    depth: int = 4,
-    seq_len: int = 32,
-    repeats: int = 3,
-    device: torch.device | str | None = None,
+    width: Count = 256,
+    depth: Count = 4,
+    seq_len: Count = 32,
+    repeats: Count = 3,
+    device: Device | None = None,
     seed: int = 0,
 ) -> list[CostRow]:
     """Time, peak memory and FLOPs of one optimizer step vs micro-batch size (lesson 2).
@@ -140,12 +145,14 @@ def measure_accumulation_cost(
     return rows
 
 
+@checked
 def format_cost_table(rows: Sequence[CostRow]) -> str:
     """The cost rows as a text table, with time and peak memory relative to the largest micro-batch.
 
     "GFLOP/step" is what `torch.utils.flop_counter` counts (matrix products only); ".grad adds" is the
     memory traffic of the K-1 gradient additions it does not count (`CostRow.grad_add_bytes`)."""
 
+    rows = validate.non_empty("rows", rows, "rows of measure_accumulation_cost")
     base = max(rows, key=lambda r: r.micro_batch)
     lines = [
         f"{'micro':>5} {'K':>4} {'GFLOP/step':>10} {'.grad adds':>11} {'ms/step':>9} {'x time':>7} {'peak':>11} "

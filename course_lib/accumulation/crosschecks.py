@@ -28,8 +28,10 @@ from course_lib.accumulation.losses import TokenLoss
 from course_lib.accumulation.tiny_models import TinyTokenLM, tiny_causal_lm_config
 from course_lib.measure import PlainTextTable
 from course_lib.sharding.launch import run_ranks
+from course_lib.validate import checked
 
 
+@checked
 @dataclass
 class TrainerCrossCheck(PlainTextTable):
     """Final weights of the reference loop, the naive loop and HF Trainer from the same start (lesson 2)."""
@@ -141,6 +143,7 @@ def trainer_cross_check(
 # --------------------------------------------------------------------------------------------------
 
 
+@checked
 @dataclass
 class DDPReport(PlainTextTable):
     """A DDP run of the reference loop against one process (lesson 2, "no_sync placement")."""
@@ -210,6 +213,7 @@ def _ddp_worker(rank: int, world_size: int, variants, n_micro: int, k: int, rows
     return results
 
 
+@checked
 def ddp_accumulation_demo(
     variants: Sequence[Sequence[str]] = ((),),
     world_size: int = 2,

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from course_lib import validate
 from course_lib.accumulation.batches import batch_size, cast_batch, check_accumulation_steps, split_batch
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss, default_loss
 from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
+from course_lib.validate import checked
 
 
+@checked
 @dataclass
 class GradientDiff:
     """Largest gradient difference of one parameter: whole batch vs accumulated."""
@@ -32,6 +35,7 @@ class GradientDiff:
     exact_zero: bool = False  # the whole-batch gradient is zero up to rounding (measured against the model's)
 
 
+@checked
 @dataclass
 class BufferDiff:
     """A buffer (running mean/var, num_batches_tracked) after the whole batch vs after accumulation."""
@@ -42,6 +46,7 @@ class BufferDiff:
     max_abs: float
 
 
+@checked
 @dataclass
 class DtypeComparison:
     """What `compare_accumulation` measured in one dtype."""
@@ -88,6 +93,7 @@ _SUMMARY_HEADER = (
 )
 
 
+@checked
 @dataclass
 class AccumulationReport(PlainTextTable):
     """Result of `compare_accumulation` (lesson 2, "the proof, checked")."""
@@ -169,6 +175,7 @@ def _check_no_dropout(model: nn.Module) -> None:
             )
 
 
+@checked
 def micro_batch_losses(
     loss: SampleLoss | TokenLoss, normalization: str, counts: Sequence[int], k_configured: int | None = None
 ) -> list[Callable[[torch.Tensor], torch.Tensor]]:
@@ -198,6 +205,7 @@ def micro_batch_losses(
     raise UserError(f"unknown normalization {normalization!r}: use 'global' or 'naive'")
 
 
+@checked
 def compare_accumulation(
     model: nn.Module,
     batch: Batch,
@@ -226,6 +234,7 @@ def compare_accumulation(
     Errors (never a silent NaN): `k` <= 0 or larger than the batch, a batch with no valid item,
     a micro-batch with no valid item under `"naive"`, Dropout with p > 0.
     """
+    validate.model_and_optimizer(model)
     k = check_accumulation_steps(k)
     loss = loss if loss is not None else default_loss(batch)
     if train:

@@ -25,8 +25,10 @@ from course_lib.accumulation.equivalence import max_abs, model_device
 from course_lib.accumulation.losses import Batch, SampleLoss, TokenLoss
 from course_lib.errors import UserError
 from course_lib.measure import PlainTextTable
+from course_lib.validate import checked
 
 
+@checked
 @dataclass
 class TrainResult(PlainTextTable):
     """What a training loop did, window by window (lesson 2, "the reference loop")."""
@@ -55,6 +57,7 @@ class TrainResult(PlainTextTable):
         return "\n".join(lines)
 
 
+@checked
 def windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
     """Group micro-batches into windows of `k`; the last window may be shorter (lesson 2)."""
     k = check_accumulation_steps(k)
@@ -78,6 +81,7 @@ def _all_reduce_number(value: float | int, device: torch.device, dtype=torch.flo
     return t.item()
 
 
+@checked
 class AccumulationLoop:
     """The reference loop: one optimizer step per window of K micro-batches (lesson 2, section 5).
 
@@ -243,6 +247,7 @@ class AccumulationLoop:
         return self.result
 
 
+@checked
 def train_with_accumulation(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -276,6 +281,7 @@ def train_with_accumulation(
     return loop.run(batches)
 
 
+@checked
 def train_whole_windows(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -320,9 +326,14 @@ def train_whole_windows(
 
 def max_weight_difference(a: nn.Module, b: nn.Module) -> float:
     """Largest |difference| between same-named parameters of two models, relative to the largest |weight|."""
-    b_params = dict(_unwrap(b).named_parameters())
+    for name, model in (("a", a), ("b", b)):
+        validate.instance(name, model, nn.Module, "a torch.nn.Module")
+    a_params, b_params = dict(_unwrap(a).named_parameters()), dict(_unwrap(b).named_parameters())
+    shapes = {name: tuple(p.shape) for name, p in a_params.items()}
+    if shapes != {name: tuple(q.shape) for name, q in b_params.items()}:
+        raise UserError("a and b must be two copies of one model: their parameters differ in names or shapes")
     worst = 0.0
-    for name, p in _unwrap(a).named_parameters():
+    for name, p in a_params.items():
         q = b_params[name]
         scale = max(max_abs(q), 1e-12)
         worst = max(worst, max_abs(p.detach().double() - q.detach().double().to(p.device)) / scale)

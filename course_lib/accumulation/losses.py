@@ -7,17 +7,17 @@ rows are sequences, the items are the target tokens that are not `ignore_index`)
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 IGNORE_INDEX = -100
 
-Batch = Any  # a tuple (inputs, targets) or a dict of tensors (input_ids, attention_mask, labels)
+# a tuple (inputs, targets) or a dict of tensors (input_ids, attention_mask, labels)
+Batch = tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,6 +57,7 @@ class SampleLoss:
         return f"SampleLoss({self.criterion!r})"
 
 
+@checked
 class TokenLoss:
     """Next-token cross-entropy over the valid labels of a padded token batch (lesson 2).
 
@@ -99,6 +100,7 @@ def _check_batch(batch: Batch, fits: bool, what: str) -> None:
         raise UserError(f"each micro-batch must be {what}, got {shown} ({type(batch).__name__})")
 
 
+@checked
 def default_loss(batch: Batch) -> SampleLoss | TokenLoss:
     """`TokenLoss` for a dict batch with labels, `SampleLoss("mse")` for a tuple batch."""
     if isinstance(batch, dict):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.errors import UserError
+from course_lib.validate import Count, checked
 
 
 def group_count(channels: int, preferred: int = 32) -> int:
@@ -29,12 +30,13 @@ def _norm_layer(norm: str | None, width: int) -> nn.Module:
     raise UserError(f"unknown norm {norm!r}: use None, 'layer', 'batch' or 'group'")
 
 
+@checked
 def tiny_mlp(
     norm: str | None = "layer",
-    in_features: int = 8,
-    hidden: int = 16,
-    out_features: int = 4,
-    depth: int = 2,
+    in_features: Count = 8,
+    hidden: Count = 16,
+    out_features: Count = 4,
+    depth: Count = 2,
     seed: int | None = 0,
 ) -> nn.Sequential:
     """A small MLP with an optional norm after each hidden Linear: None, 'layer', 'batch', 'group'.
@@ -52,6 +54,7 @@ def tiny_mlp(
     return nn.Sequential(*layers)
 
 
+@checked
 class TinyTokenLM(nn.Module):
     """A tiny causal language model: each position sees its token and the previous one (lesson 2).
 
@@ -61,7 +64,9 @@ class TinyTokenLM(nn.Module):
     token positions (padding included), which breaks that.
     """
 
-    def __init__(self, vocab_size: int = 32, dim: int = 16, norm: str | None = "layer", seed: int | None = 0) -> None:
+    def __init__(
+        self, vocab_size: Count = 32, dim: Count = 16, norm: str | None = "layer", seed: int | None = 0
+    ) -> None:
         super().__init__()
         if seed is not None:
             torch.manual_seed(seed)
@@ -83,7 +88,8 @@ class TinyTokenLM(nn.Module):
         return self.head(h)
 
 
-def tiny_causal_lm_config(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, heads: int = 4):
+@checked
+def tiny_causal_lm_config(vocab_size: Count = 64, hidden_size: Count = 32, layers: Count = 2, heads: Count = 4):
     """A tiny Llama config (random weights, no download) for the Trainer cross-check (lesson 2)."""
     from transformers import LlamaConfig  # off the import path: transformers takes seconds to import
 

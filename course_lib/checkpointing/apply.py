@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from course_lib.checkpointing.plans import validate_plan
 from course_lib.checkpointing.selective import context_fn_for
 from course_lib.errors import UserError
 from course_lib.layers import find_layer_stack
+from course_lib.validate import Count, checked
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -109,6 +110,7 @@ class _OpenSegment:
         frame.close()
 
 
+@checked
 class AppliedPlan:
     """A checkpoint plan applied to a layer stack; `remove()` (or leaving the `with` block) restores it
     (lesson 3, "applying a plan").
@@ -118,8 +120,12 @@ class AppliedPlan:
     without the plan (a test checks loss and every gradient on each bundled architecture), or raises.
     """
 
-    def __init__(self, model: nn.Module, stack, plan, policy, recompute_context=None) -> None:
+    def __init__(
+        self, model: nn.Module, stack: Iterable[nn.Module], plan, policy, recompute_context: Callable | None = None
+    ) -> None:
         self.layers = list(stack)
+        if not self.layers or not all(isinstance(layer, nn.Module) for layer in self.layers):
+            raise UserError("stack must be the model's layers, an nn.ModuleList or nn.Sequential of modules")
         self.plan = validate_plan(plan, len(self.layers))
         self.policy = policy
         self.context_fn = context_fn_for(policy)
@@ -262,6 +268,7 @@ class AppliedPlan:
         return f"AppliedPlan(plan={self.plan}, policy={self.policy!r})"
 
 
+@checked
 def apply_plan(
     model: nn.Module, plan, *, policy="full", stack: nn.Module | None = None, recompute_context=None
 ) -> AppliedPlan:
@@ -281,14 +288,16 @@ def apply_plan(
     return AppliedPlan(model, layers, plan, policy, recompute_context)
 
 
+@checked
 def hf_has_every_n_layers(model: nn.Module) -> bool:
     """Whether this transformers version takes `every_n_layers` (lesson 3, "the one-liner"): it
     arrived with `activation_checkpointing_enable`, in transformers 5.23."""
     return hasattr(model, "activation_checkpointing_enable")
 
 
+@checked
 def hf_checkpointing(
-    model: nn.Module, enable: bool = True, *, use_reentrant: bool = False, every_n_layers: int = 1
+    model: nn.Module, enable: bool = True, *, use_reentrant: bool = False, every_n_layers: Count = 1
 ) -> None:
     """Hugging Face's one-liner, on any transformers version (lesson 3, "the one-liner").
 
@@ -300,7 +309,12 @@ def hf_checkpointing(
     """
     new = "activation_checkpointing_enable" if enable else "activation_checkpointing_disable"
     old = "gradient_checkpointing_enable" if enable else "gradient_checkpointing_disable"
-    method = getattr(model, new, None) or getattr(model, old)
+    method = getattr(model, new, None) or getattr(model, old, None)
+    if not callable(method):
+        raise UserError(
+            f"{type(model).__name__} is not a transformers model ({old} is transformers'): use apply_plan "
+            "for a torch model"
+        )
     if not enable:
         method()
         return
@@ -314,6 +328,7 @@ def hf_checkpointing(
         method(gradient_checkpointing_kwargs=kwargs)
 
 
+@checked
 def checkpointed_forward(layers: Sequence[nn.Module], x: torch.Tensor, plan, *, policy="full") -> torch.Tensor:
     """Run `layers` one after the other on `x` under a plan with `torch.utils.checkpoint.checkpoint`,
     without touching the modules (lesson 3, "the raw API")."""

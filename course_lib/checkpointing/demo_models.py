@@ -7,11 +7,14 @@ import re
 import torch
 from torch import nn
 
+from course_lib import validate
 from course_lib.errors import UserError
 from course_lib.models import supported_attention
+from course_lib.validate import Count, checked
 
 
-def mlp_stack(n_layers: int, width: int, activation: str = "relu") -> nn.Sequential:
+@checked
+def mlp_stack(n_layers: Count, width: Count, activation: str = "relu") -> nn.Sequential:
     """n_layers layers of Linear(width, width) + activation (lesson 3, "the MLP").
 
     With ReLU a layer saves only its input (ReLU's saved output is the next layer's input): checkpointing
@@ -23,11 +26,12 @@ def mlp_stack(n_layers: int, width: int, activation: str = "relu") -> nn.Sequent
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), acts[activation]()) for _ in range(n_layers)])
 
 
+@checked
 class ResidualMLP(nn.Module):
     """x + W2 gelu(W1 norm(x)), hidden `mult` x width: stores about (2 + 2 mult) times its input,
     costs about mult times the FLOPs of a width x width matmul, twice (lesson 3, "uneven layers")."""
 
-    def __init__(self, width: int, mult: int) -> None:
+    def __init__(self, width: Count, mult: Count) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, mult * width)
@@ -38,11 +42,12 @@ class ResidualMLP(nn.Module):
         return x + self.down(self.act(self.up(self.norm(x))))
 
 
+@checked
 class PointwiseBlock(nn.Module):
     """A cheap layer that stores a lot: one width x width matmul, then a chain of pointwise ops, each
     saving a tensor the size of its input (lesson 3, "uneven layers")."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: Count) -> None:
         super().__init__()
         self.mix = nn.Linear(width, width)
 
@@ -52,6 +57,7 @@ class PointwiseBlock(nn.Module):
         return x + torch.sin(h * gate) * torch.exp(-h * h)
 
 
+@checked
 def uneven_stack(spec: str, width: int) -> nn.Sequential:
     """A stack of uneven layers from a spec such as "mlp1 mlp8 pw mlp2": mlpK is a ResidualMLP with
     hidden K x width (memory and compute grow with K), pw a PointwiseBlock (lesson 3)."""
@@ -132,14 +138,15 @@ def _decoder_config(arch: str, *, n_layers, hidden, heads, intermediate, vocab, 
     raise UserError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
 
 
+@checked
 def tiny_decoder(
     arch: str = "llama",
     *,
-    n_layers: int = 8,
-    hidden: int = 128,
-    heads: int = 4,
-    intermediate: int | None = None,
-    vocab: int = 512,
+    n_layers: Count = 8,
+    hidden: Count = 128,
+    heads: Count = 4,
+    intermediate: Count | None = None,
+    vocab: Count = 512,
     attn_implementation: str = "sdpa",
     sliding_window: int | None = None,
     seed: int = 0,
@@ -154,6 +161,7 @@ def tiny_decoder(
     """
     import transformers  # off the import path: transformers takes seconds to import
 
+    validate.choice("attn_implementation", attn_implementation, ("sdpa", "eager"))
     config = _decoder_config(
         arch,
         n_layers=n_layers,

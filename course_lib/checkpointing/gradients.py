@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 
 def _loss_of(output) -> torch.Tensor:
@@ -26,7 +27,10 @@ def _loss_of(output) -> torch.Tensor:
     return loss
 
 
-def assert_gradients_flow(model: nn.Module, batch, loss_fn: Callable | None = None) -> None:
+@checked
+def assert_gradients_flow(
+    model: nn.Module, batch: dict | Sequence[torch.Tensor] | torch.Tensor, loss_fn: Callable | None = None
+) -> None:
     """Run one forward and backward on `batch` and fail loudly if a trainable parameter gets no
     gradient (lesson 3, "the LoRA + reentrant trap").
 
@@ -44,6 +48,8 @@ def assert_gradients_flow(model: nn.Module, batch, loss_fn: Callable | None = No
         if isinstance(batch, dict):
             output = model(**batch)
         elif isinstance(batch, (tuple, list)):
+            if not batch:
+                raise UserError("batch is empty: give the model's inputs (a tensor, a tuple of them or a dict)")
             output = model(*batch)
         else:
             output = model(batch)

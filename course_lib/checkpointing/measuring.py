@@ -16,9 +16,11 @@ from course_lib.checkpointing.plans import Plan, named_plan, segments_plan, vali
 from course_lib.checkpointing.profile import StackProfile, flop_counter, profile_stack
 from course_lib.checkpointing.selective import policy_name
 from course_lib.layers import find_layer_stack
-from course_lib.measure import MiB, measure_step
+from course_lib.measure import MiB, measure_step, training_loss
+from course_lib.validate import Count, checked
 
 
+@checked
 @dataclass
 class PlanMeasurement:
     """One plan, measured and predicted (lesson 3, "the measured trade-off").
@@ -35,7 +37,7 @@ class PlanMeasurement:
     predicted_peak: int | None  # the refined cost model (StackProfile.predicted_step_peak)
     simple_predicted_peak: int | None  # saved and input sizes alone, all gradients added
     recompute_fraction: float | None  # predicted by the cost model, by FLOPs (full checkpointing)
-    step_seconds: float = float("nan")  # fastest timed forward + backward (nan: not timed)
+    step_seconds: float | None = None  # fastest timed forward + backward (None: not timed)
     policy: str = "full"
     measured_recompute: float | None = None
 
@@ -58,7 +60,7 @@ def _timed_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor], device: t
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    loss_fn().backward()
+    training_loss(loss_fn).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -70,7 +72,7 @@ def _backward_flops(model, loss_fn, plan, policy, layers) -> float:
     with apply_plan(model, plan, policy=policy, stack=layers):
         counter = flop_counter()
         with counter:
-            loss = loss_fn()
+            loss = training_loss(loss_fn)
             forward = counter.get_total_flops()
             loss.backward()
             del loss
@@ -78,6 +80,7 @@ def _backward_flops(model, loss_fn, plan, policy, layers) -> float:
     return float(counter.get_total_flops() - forward)
 
 
+@checked
 def measure_recompute(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
@@ -98,12 +101,13 @@ def measure_recompute(
     return extra / sum(profile.compute)
 
 
+@checked
 def time_plans(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
     plans: Sequence[tuple[object, object]],
     *,
-    repeats: int = 3,
+    repeats: Count = 3,
     stack: nn.Module | None = None,
 ) -> list[float]:
     """Fastest forward + backward time of each (plan, policy), in seconds (lesson 3).
@@ -120,9 +124,10 @@ def time_plans(
                 seconds = _timed_step(model, loss_fn, device)
             if round_:
                 best[index] = min(best[index], seconds)
-    return best if repeats > 0 else [float("nan")] * len(plans)
+    return best
 
 
+@checked
 def measure_plan(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
@@ -153,7 +158,7 @@ def measure_plan(
     with apply_plan(model, segments, policy=policy, stack=layers):
         memory = measure_step(model, None, loss_fn, inputs)
     model.zero_grad(set_to_none=True)
-    seconds = float("nan")
+    seconds = None
     if repeats:
         seconds = time_plans(model, loss_fn, [(segments, policy)], repeats=repeats, stack=layers)[0]
     measured = (
@@ -172,6 +177,7 @@ def measure_plan(
     )
 
 
+@checked
 def measure_tradeoff(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
@@ -220,6 +226,7 @@ def measure_tradeoff(
     return rows
 
 
+@checked
 def default_plans(profile: StackProfile) -> dict[str, Plan]:
     """k segments for a few k from 1 to n (the last segment unchecked), every layer, sqrt, and the
     optimal plan within the sqrt plan's predicted peak (lesson 3)."""
@@ -233,10 +240,11 @@ def default_plans(profile: StackProfile) -> dict[str, Plan]:
     return plans
 
 
+@checked
 def format_tradeoff(rows: Sequence[PlanMeasurement], title: str = "") -> str:
     """The trade-off as a text table: peaks in MiB, errors in %, recompute predicted (and measured
     when it was), time relative to the first row (lesson 3, "the measured trade-off")."""
-    base = rows[0].step_seconds if rows and rows[0].step_seconds == rows[0].step_seconds else None
+    base = rows[0].step_seconds if rows else None
     measured = any(r.measured_recompute is not None for r in rows)
     lines = [title] if title else []
     header = (
@@ -245,7 +253,7 @@ def format_tradeoff(rows: Sequence[PlanMeasurement], title: str = "") -> str:
     )
     lines += [header, "-" * len(header)]
     for r in rows:
-        timed = r.step_seconds == r.step_seconds
+        timed = r.step_seconds is not None
         model = f"{r.predicted_peak / MiB:8.2f}M" if r.predicted_peak is not None else f"{'n/a':>9}"
         err = f"{100 * r.error:+5.1f}%" if r.error is not None else f"{'':>6}"
         simple = f"{100 * r.simple_error:+6.1f}%" if r.simple_error is not None else f"{'':>7}"

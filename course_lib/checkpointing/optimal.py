@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from course_lib.checkpointing.plans import Plan, StackModel, check_layer_count
 from course_lib.errors import UserError
 from course_lib.measure import format_bytes
+from course_lib.validate import checked
 
 
+@checked
 def all_plans(n_layers: int) -> Iterator[Plan]:
     """Every plan for n_layers layers: each layer unchecked or in a segment, segments anywhere.
 
@@ -89,6 +91,7 @@ def min_feasible_peak(saved_bytes: Sequence[int], input_bytes: Sequence[int], **
     return plan_frontier(saved_bytes, input_bytes, **model_kwargs)[0][0]
 
 
+@checked
 def optimal_plan(saved_bytes: Sequence[int], input_bytes: Sequence[int], budget_bytes: int, **model_kwargs) -> Plan:
     """The plan with the least recompute whose predicted activation peak fits in `budget_bytes`, over
     all plans (lesson 3, "the optimal plan"); among equal recompute, the lowest peak.

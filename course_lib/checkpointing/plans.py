@@ -22,7 +22,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from course_lib import validate
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 Plan = list[tuple[int, int]]
 PLAN_NAMES = ("none", "every-layer", "sqrt", "every-K", "hf-every-K")
@@ -70,6 +72,7 @@ def named_plan(n_layers: int, name: str) -> Plan:
     )
 
 
+@checked
 def segments_plan(n_layers: int, k: int, *, checkpoint_last: bool = False) -> Plan:
     """k contiguous segments of near-equal size covering the stack, larger ones first (lesson 3, "the
     U-shaped curve").
@@ -89,6 +92,7 @@ def segments_plan(n_layers: int, k: int, *, checkpoint_last: bool = False) -> Pl
     return segments if checkpoint_last else segments[:-1]
 
 
+@checked
 def validate_plan(plan, n_layers: int) -> Plan:
     """`plan` as a list of (start, end) tuples, or ValueError saying what is wrong with it (lesson 3)."""
     if isinstance(plan, str):
@@ -116,6 +120,7 @@ def validate_plan(plan, n_layers: int) -> Plan:
     return segments
 
 
+@checked
 @dataclass(frozen=True)
 class PlanCost:
     """What a checkpoint plan costs, predicted by the cost model (lesson 3, "the cost model").
@@ -139,12 +144,7 @@ class PlanCost:
 def _as_sizes(values: Sequence[int] | None, name: str, n: int, default: int = 0) -> list[int]:
     if values is None:
         return [default] * n
-    sizes = [int(v) for v in values]
-    if len(sizes) != n:
-        raise UserError(f"{name} must have one entry per layer ({n}), got {len(sizes)}")
-    if any(v < 0 for v in sizes):
-        raise UserError(f"{name} must be non-negative byte counts, got {sizes}")
-    return sizes
+    return validate.whole_numbers(name, values, length=n, what="byte counts (one per layer)")
 
 
 class StackModel:
@@ -163,7 +163,7 @@ class StackModel:
         head_grad_bytes=0,
         output_saved=None,
     ) -> None:
-        saved = [int(v) for v in saved_bytes]
+        saved = validate.whole_numbers("saved_bytes", saved_bytes)
         n = len(saved)
         if n == 0:
             raise UserError("saved_bytes must have one entry per layer (got an empty list)")
@@ -172,18 +172,18 @@ class StackModel:
         self.inputs = _as_sizes(input_bytes, "input_bytes", n)
         grads = _as_sizes(grad_bytes, "grad_bytes", n)
         self.transient = _as_sizes(transient_bytes, "transient_bytes", n)
-        flags = [False] * n if output_saved is None else [bool(f) for f in output_saved]
+        flags = [False] * n if output_saved is None else validate.non_empty("output_saved", output_saved, "flags")
         if len(flags) != n:
             raise UserError(f"output_saved must have one entry per layer ({n}), got {len(flags)}")
-        self.out = self.inputs[-1] if output_bytes is None else int(output_bytes)
-        head = self.out if head_bytes is None else int(head_bytes)
-        self.head_grads = int(head_grad_bytes)
-        if min(self.out, head, self.head_grads) < 0:
-            raise UserError("output_bytes, head_bytes and head_grad_bytes must be non-negative")
+        flags = [validate.strict_bool(f"output_saved[{i}]", flag) for i, flag in enumerate(flags)]
+        self.out = self.inputs[-1] if output_bytes is None else validate.non_negative_int("output_bytes", output_bytes)
+        head = self.out if head_bytes is None else validate.non_negative_int("head_bytes", head_bytes)
+        self.head_grads = validate.non_negative_int("head_grad_bytes", head_grad_bytes)
         self.turn = self.out + head  # the output and the head's peak beside everything the stack holds
-        costs = [1.0] * n if compute is None else [float(c) for c in compute]
-        if len(costs) != n or any(not c >= 0 for c in costs):
-            raise UserError(f"compute must have one non-negative entry per layer (got {list(costs)})")
+        costs = [1.0] * n if compute is None else validate.non_empty("compute", compute, "costs")
+        if len(costs) != n:
+            raise UserError(f"compute must have one cost per layer ({n}), got {len(costs)}")
+        costs = [validate.finite(f"compute[{i}]", cost, at_least=0) for i, cost in enumerate(costs)]
         self.costs = costs
         self.total_cost = sum(costs)
         # grad_of_output[i]: the gradient arriving at layer i (its output's size)
@@ -284,18 +284,18 @@ def plan_cost(
     )
     segments = validate_plan(plan, model.n)
     units = model.units(segments)
-    holds = [model.hold(a, checked) for a, _, checked in units]
+    holds = [model.hold(a, recomputed) for a, _, recomputed in units]
     forward = sum(holds) + model.out
     peak, where = sum(holds) + model.turn, "at the turn from forward to backward (the head and loss)"
     before, layer = sum(holds), None
-    for (a, b, checked), hold in reversed(list(zip(units, holds))):
+    for (a, b, recomputed), hold in reversed(list(zip(units, holds))):
         before -= hold
-        moment = before + model.unit_peak(a, b, checked)
+        moment = before + model.unit_peak(a, b, recomputed)
         if moment > peak:
             what = f"layers {a}..{b - 1}" if b - a > 1 else f"layer {a}"
-            peak, where = moment, f"in the backward of {what}" + (" (recomputed)" if checked else "")
+            peak, where = moment, f"in the backward of {what}" + (" (recomputed)" if recomputed else "")
             # the unit's first layer whose backward reaches the unit's peak
-            layer = next(end - 1 for end, top in model.backward_peaks(a, checked) if before + top == moment)
+            layer = next(end - 1 for end, top in model.backward_peaks(a, recomputed) if before + top == moment)
     recompute = sum(sum(model.costs[a:b]) for a, b in segments)
     return PlanCost(
         peak_bytes=int(peak),

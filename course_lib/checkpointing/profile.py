@@ -15,7 +15,8 @@ from course_lib.checkpointing.optimal import optimal_plan, plan_frontier
 from course_lib.checkpointing.plans import Plan, PlanCost, plan_cost
 from course_lib.errors import UserError
 from course_lib.layers import find_layer_stack
-from course_lib.measure import LiveStorageTracker, storage_bytes, unique_storages
+from course_lib.measure import LiveStorageTracker, storage_bytes, training_loss, unique_storages
+from course_lib.validate import checked
 
 
 def flop_counter():
@@ -39,6 +40,7 @@ def _storage_keys(obj) -> set:
     return set(unique_storages(tensors))
 
 
+@checked
 @dataclass
 class StackProfile:
     """What each layer of a stack stores and costs, measured on one unchecked training step: the
@@ -102,12 +104,13 @@ class StackProfile:
         return optimal_plan(self.saved_bytes, self.input_bytes, budget_bytes, **self.model_kwargs())
 
 
+@checked
 def profile_stack(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
     inputs: Iterable[torch.Tensor] = (),
     *,
-    stack: nn.Module | None = None,
+    stack: Iterable[nn.Module] | None = None,
 ) -> StackProfile:
     """Measure a stack's `StackProfile` on one unchecked forward and backward (lesson 3).
 
@@ -179,7 +182,7 @@ def profile_stack(
             tracker.watch(tensor)
         with tracker:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = loss_fn()
+                loss = training_loss(loss_fn)
             loss.backward()
             del loss
         mark("end")

@@ -28,6 +28,7 @@ from course_lib.accumulation import (
     train_whole_windows,
 )
 from course_lib.checks.hints import passed
+from course_lib.validate import checked
 
 __all__ = ["check_accumulate_gradients", "check_training_loop", "training_loop_problem", "check_ddp_accumulation"]
 
@@ -59,6 +60,7 @@ def _naive_gradient(model_factory, batches, loss) -> list[torch.Tensor]:
     return _grads(model)
 
 
+@checked
 def check_accumulate_gradients(accumulate_gradients: Callable) -> None:
     """Exercise 2.1: `accumulate_gradients(model, micro_batches, loss)` accumulates the window's gradient.
 
@@ -397,6 +399,7 @@ def _check_training_loop(train: Callable) -> None:
     _check_no_sync(train)
 
 
+@checked
 def training_loop_problem(train: Callable) -> str | None:
     """The first thing `check_training_loop` finds wrong with `train`, as its hint; None when all is right."""
     try:
@@ -406,6 +409,7 @@ def training_loop_problem(train: Callable) -> str | None:
     return None
 
 
+@checked
 def check_training_loop(train: Callable) -> None:
     """Exercise 2.2: the accumulation loop gets every detail right.
 
@@ -425,6 +429,7 @@ def check_training_loop(train: Callable) -> None:
     )
 
 
+@checked
 def check_ddp_accumulation(report: DDPReport, tolerance: float = WEIGHT_TOLERANCE) -> None:
     """A DDP accumulation run (`ddp_accumulation_demo`) syncs once per window and matches one process."""
     rounds = report.allreduces_per_window

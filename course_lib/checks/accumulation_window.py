@@ -26,6 +26,7 @@ from course_lib.accumulation import (
 from course_lib.accumulation import loop as reference_loop
 from course_lib.checks.accumulation import WEIGHT_TOLERANCE, StepProbe, model_optimizer_scheduler
 from course_lib.checks.hints import passed, refuse_reference
+from course_lib.validate import checked
 
 __all__ = ["check_finish_window"]
 
@@ -146,6 +147,7 @@ def _check_finish_window(finish_window: Callable) -> None:
             )
 
 
+@checked
 def check_finish_window(finish_window: Callable) -> None:
     """Exercise 2.2: `finish_window(model, optimizer, scheduler, scaler, max_grad_norm)` ends a window.
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
 import course_lib
 from course_lib.checks.hints import passed, refuse_reference
 from course_lib.planner import BNB_QMAPS_BYTES, optimizer_state_bytes, plan
+from course_lib.validate import checked
 
 __all__ = ["check_model_state_bytes", "check_adamw8bit_state_bytes"]
 
@@ -58,7 +60,8 @@ def _layout_hint(got: dict, n: int, precision: str, optimizer: str) -> str | Non
     return None
 
 
-def check_model_state_bytes(model_state_bytes) -> None:
+@checked
+def check_model_state_bytes(model_state_bytes: Callable) -> None:
     """Exercise 1.1: `model_state_bytes(n_params, precision, optimizer)` is the planner's model states, by category."""
     for n in (1, 1000, 7_000_000_000):
         for precision in _PRECISIONS:
@@ -110,7 +113,8 @@ def _real_8bit_state(numel: int) -> int | None:
     )
 
 
-def check_adamw8bit_state_bytes(adamw8bit_state_bytes) -> None:
+@checked
+def check_adamw8bit_state_bytes(adamw8bit_state_bytes: Callable) -> None:
     """Exercise 1.2: `adamw8bit_state_bytes(numel)` is bitsandbytes' AdamW8bit state for one tensor."""
     for numel in (10, 4095, 4096, 4097, 65536, 1_000_000, 7_000_003):
         expected = optimizer_state_bytes("adamw8bit", [numel], 4)

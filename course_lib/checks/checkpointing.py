@@ -20,6 +20,7 @@ from course_lib import checkpointing
 from course_lib.checkpointing import all_plans, apply_plan, min_feasible_peak, mlp_stack, optimal_plan, plan_cost
 from course_lib.checks.hints import passed, refusing
 from course_lib.measure import MiB, measure_step
+from course_lib.validate import checked
 
 __all__ = ["check_checkpointed_forward", "check_best_plan"]
 
@@ -73,6 +74,7 @@ def _same_grads(expected, got, where: str) -> None:
         )
 
 
+@checked
 def check_checkpointed_forward(checkpointed_forward: Callable) -> None:
     """Exercise 3.1: `checkpointed_forward(layers, x, plan)` runs the layers one after the other on x,
     each segment (start, end) of the plan under one torch.utils.checkpoint.checkpoint(...,
@@ -183,6 +185,7 @@ def _check_one(best_plan, saved, inputs, budget, best_recompute) -> None:
     )
 
 
+@checked
 def check_best_plan(best_plan: Callable[[list[int], list[int], int], list[tuple[int, int]]]) -> None:
     """Exercise 3.2: `best_plan(saved, inputs, budget)` returns the plan, over all plans (segments with
     gaps between them), with the fewest recomputed layers whose predicted peak fits the budget, and

@@ -24,8 +24,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from course_lib import validate
 from course_lib.course import wrapped
 from course_lib.errors import NOT_DONE
+from course_lib.validate import checked
 
 __all__ = ["CheckFailed", "NOT_DONE", "hints_only", "refuse_reference", "refusing"]
 
@@ -66,6 +68,7 @@ def _without_check_frames(traceback: types.TracebackType | None) -> types.Traceb
     return chained
 
 
+@checked
 def hints_only(check: Callable) -> Callable:
     """`check`, with a failed assert raised as `CheckFailed` and other errors without the check's frames."""
 
@@ -105,13 +108,14 @@ def _owner(modules: tuple[types.ModuleType, ...], filename: str) -> str | None:
 def _codes(reference) -> dict[types.CodeType, str]:
     """The code objects of a function (unwrapped) or of a class's methods, with the name to show."""
     if isinstance(reference, type):
-        functions = [f for f in vars(reference).values() if isinstance(f, types.FunctionType)]
+        functions = [inspect.unwrap(f) for f in vars(reference).values() if isinstance(f, types.FunctionType)]
     else:
         functions = [inspect.unwrap(reference)]
     return {f.__code__: f"{f.__module__}.{f.__qualname__}" for f in functions}
 
 
 @contextmanager
+@checked
 def refuse_reference(*references, instead: str = "work it out yourself"):
     """Run the learner's answer inside `with refuse_reference(course_lib.planner): ...`: if the answer
     called the library's reference that the check compares with (any function of a module or package
@@ -132,6 +136,11 @@ def refuse_reference(*references, instead: str = "work it out yourself"):
         if event != "call" or called:
             return
         code = frame.f_code
+        if code.co_filename == validate.__file__:  # `validate.checked`'s wrapper: a call of what it wraps
+            wrapped = frame.f_locals.get("function") if code.co_name == "checking" else None
+            if wrapped is None:
+                return
+            code = inspect.unwrap(wrapped).__code__
         if code in codes:
             called.append(codes[code])
             return
@@ -164,6 +173,7 @@ def refuse_reference(*references, instead: str = "work it out yourself"):
             )
 
 
+@checked
 def refusing(answer: Callable, *references, instead: str = "work it out yourself") -> Callable:
     """`answer`, each of whose calls runs inside `refuse_reference(*references, instead=instead)`: for
     checks that call the learner's function in many places."""

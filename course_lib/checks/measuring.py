@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
 import course_lib
 from course_lib.checks.hints import assert_byte_count, passed, refuse_reference
 from course_lib.measure import measure_step
+from course_lib.validate import checked
 
 __all__ = ["check_adam_state_bytes", "check_saved_bytes"]
 
@@ -66,7 +68,8 @@ def _adam_hint(predicted: int, measured: int, model: torch.nn.Module) -> str | N
     return None
 
 
-def check_adam_state_bytes(adam_state_bytes) -> None:
+@checked
+def check_adam_state_bytes(adam_state_bytes: Callable) -> None:
     """Exercise 0.1: `adam_state_bytes(model)` predicts what AdamW allocates at its first step."""
     for name, model, x in _models_and_inputs():
         optimizer = torch.optim.AdamW(model.parameters())  # frozen parameters included, as people write it
@@ -121,7 +124,8 @@ def _saved_hint(predicted, batch: int, widths: tuple[int, ...]) -> str | None:
     return None
 
 
-def check_saved_bytes(saved_bytes) -> None:
+@checked
+def check_saved_bytes(saved_bytes: Callable) -> None:
     """Exercise 0.2: `saved_bytes(batch, widths)` predicts what an MLP of any depth saves for backward."""
     for batch, widths in (
         (1, (3, 5, 2)),

@@ -5,10 +5,12 @@ allocation order beats LRU, and a prediction of the step after a spike, are chec
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from course_lib import paging
 from course_lib.checks.hints import passed, refusing
 from course_lib.paging import MiB, chunk_migrations
+from course_lib.validate import checked
 
 __all__ = ["check_allocation_order_wins", "check_migrated_bytes", "check_mru", "check_step3_prediction", "spike_trace"]
 
@@ -78,7 +80,8 @@ def _compare(fn, policy: str) -> None:
         )
 
 
-def check_migrated_bytes(migrated_bytes) -> None:
+@checked
+def check_migrated_bytes(migrated_bytes: Callable) -> None:
     """Exercise 4.1: `migrated_bytes(accesses, capacity, policy)` for "allocation" and "lru"."""
     migrated_bytes = _refusing(migrated_bytes)
     for policy in ("allocation", "lru"):
@@ -93,7 +96,8 @@ def check_migrated_bytes(migrated_bytes) -> None:
         )
 
 
-def check_mru(migrated_bytes) -> None:
+@checked
+def check_mru(migrated_bytes: Callable) -> None:
     """Exercise 4.2: the same function also handles "mru", and beats LRU on an optimizer's cycle."""
     migrated_bytes = _refusing(migrated_bytes)
     _compare(migrated_bytes, "mru")
@@ -106,7 +110,8 @@ def check_mru(migrated_bytes) -> None:
     passed(f"Correct: on a 10-chunk cycle with room for 8, LRU migrates {lru[0] // MiB} MiB, MRU {mru[0] // MiB} MiB.")
 
 
-def check_allocation_order_wins(trace_for) -> None:
+@checked
+def check_allocation_order_wins(trace_for: Callable) -> None:
     """Exercise 4.3: `trace_for(capacity)` returns chunk accesses on which allocation order migrates
     fewer bytes than LRU, for every capacity from 2 to 8 chunks."""
     for capacity in range(2, 9):
@@ -130,6 +135,7 @@ def check_allocation_order_wins(trace_for) -> None:
     )
 
 
+@checked
 def spike_trace(empty_cache_after_spike: bool) -> list:
     """Exercise 4.4's world (lesson 4): a 32 MiB GPU; 8 MiB of ordinary weights; eight 2 MiB chunks of
     paged state, prefetched in order 0..7 in every step; in step 2 a 16 MiB activation is allocated
@@ -153,7 +159,8 @@ def _step3_in(empty_cache_after_spike: bool) -> int:
     return result.step_stats(3).h2d_bytes
 
 
-def check_step3_prediction(predict) -> None:
+@checked
+def check_step3_prediction(predict: Callable) -> None:
     """Exercise 4.4: `predict()` returns {"with empty_cache": bytes, "without empty_cache": bytes}, the
     bytes of paged state migrated back in step 3 of `spike_trace`."""
     predict = _refusing(predict)

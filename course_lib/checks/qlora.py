@@ -13,6 +13,7 @@ from collections.abc import Callable
 from course_lib.checks.hints import passed
 from course_lib.measure import MiB, format_bytes
 from course_lib.qlora import TRICKS, Recipe, RecipeError, measure_recipe, predict, training_arguments
+from course_lib.validate import Count, checked
 
 __all__ = ["check_fit_in_budget"]
 
@@ -66,8 +67,9 @@ def _check_one(
     return f"{which}: {recipe.describe()}, measured {format_bytes(peak)}"
 
 
+@checked
 def check_fit_in_budget(
-    fit_in_budget: Callable, config, budget_bytes: int, effective_batch: int, seq: int = 64
+    fit_in_budget: Callable, config, budget_bytes: int, effective_batch: Count, seq: Count = 64
 ) -> None:
     """Exercise 5.1: `fit_in_budget(config, budget_bytes, effective_batch, seq)` returns a Recipe whose
     measured peak fits the budget, with the asked effective batch and sequence length, and no trick

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 
 from course_lib import planner
@@ -12,6 +13,7 @@ from course_lib.planner import CUDA_CONTEXT_BYTES, Setup, get_gpu, plan
 from course_lib.planner.config.fields import SHARDS
 from course_lib.planner.predict import predict
 from course_lib.sharding import STAGES, measure_sharding
+from course_lib.validate import checked
 
 __all__ = ["check_model_states_per_gpu", "check_fewest_gpus", "check_never_fits", "check_bytes_sent"]
 
@@ -27,7 +29,8 @@ def _by_kind(p) -> dict[str, int]:
     }
 
 
-def check_model_states_per_gpu(model_states_per_gpu) -> None:
+@checked
+def check_model_states_per_gpu(model_states_per_gpu: Callable) -> None:
     """Exercise 6.1: `model_states_per_gpu(n_params, gpus, stage)` is one GPU's model states under
     mixed-precision AdamW by kind, {"weights", "gradients", "optimizer_states"} in bytes, as the
     planner (and the ZeRO paper) counts them: a stage that divides the wrong kind fails even where the
@@ -93,7 +96,8 @@ _NEVER = {  # why no number of GPUs makes a stage fit, when the undivided part a
 }
 
 
-def check_fewest_gpus(fewest_gpus) -> None:
+@checked
+def check_fewest_gpus(fewest_gpus: Callable) -> None:
     """Exercise 6.2: `fewest_gpus(model, setup, gpu, most=64)` is the smallest number of GPUs on which
     the planner says one GPU's share fits, or None."""
     cases = [
@@ -126,7 +130,8 @@ def check_fewest_gpus(fewest_gpus) -> None:
     passed("Correct: the fewest GPUs for each stage; note how much sooner zero3 fits than zero1.")
 
 
-def check_never_fits(never_fits) -> None:
+@checked
+def check_never_fits(never_fits: Callable) -> None:
     """Exercise 6.3: `never_fits(n_params, stage, gpu)` is True when no number of GPUs makes one GPU's
     model states (mixed-precision AdamW, `--params` only) fit at that stage, from what the stage does
     not divide; the check compares with the planner at 4096 GPUs."""
@@ -189,7 +194,8 @@ def _measured_sent() -> dict[tuple[int, str], tuple[int, int]]:
     }
 
 
-def check_bytes_sent(bytes_sent_per_rank) -> None:
+@checked
+def check_bytes_sent(bytes_sent_per_rank: Callable) -> None:
     """Exercise 6.4: `bytes_sent_per_rank(param_bytes, world_size, stage)` is what each rank of the
     lesson's engines sends in one step (ring algorithm), checked against a step measured on 2 and 4
     gloo ranks (lesson 6, section 4)."""

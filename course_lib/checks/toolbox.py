@@ -12,6 +12,8 @@ not pass). Neither accepts an answer that only calls the library's own implement
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from course_lib import toolbox
 from course_lib.checks.hints import passed, refusing
 from course_lib.measure import MiB, optimizer_state_tensors, peak_bytes
+from course_lib.validate import checked
 
 __all__ = ["check_optimizer_in_backward", "check_chunked_loss"]
 
@@ -34,7 +37,8 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, foreach=False)
 
 
-def check_optimizer_in_backward(attach_optimizer_hooks) -> None:
+@checked
+def check_optimizer_in_backward(attach_optimizer_hooks: Callable) -> None:
     """Exercise 7.1: `attach_optimizer_hooks(model, make_optimizer)` gives each trainable parameter its
     own optimizer, steps it in a post-accumulate-grad hook and frees the gradient there; it returns
     the optimizers, one per parameter."""
@@ -128,7 +132,8 @@ class _LongestHead(TorchDispatchMode):
         return out
 
 
-def check_chunked_loss(chunked_loss) -> None:
+@checked
+def check_chunked_loss(chunked_loss: Callable) -> None:
     """Exercise 7.2: `chunked_loss(hidden, weight, labels, chunk_size)` is Hugging Face's causal LM loss
     of `F.linear(hidden, weight)` (labels shifted, -100 ignored, logits upcast to fp32, mean over the
     scored tokens), computed `chunk_size` tokens at a time with each chunk's logits recomputed in backward."""

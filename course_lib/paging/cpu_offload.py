@@ -11,8 +11,11 @@ import torch
 
 from course_lib.errors import UserError
 from course_lib.measure import optimizer_state_tensors, storage_bytes
+from course_lib.paging.policies import PagingError
+from course_lib.validate import checked
 
 
+@checked(error=PagingError)
 class CPUOffloadAdamW:
     """AdamW whose state (and an fp32 master copy of each parameter) lives in host memory
     (lesson 4, "manual offload").

@@ -18,26 +18,30 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from course_lib import isolate
+from course_lib import isolate, validate
 from course_lib.checkpointing import mlp_stack
 from course_lib.device import synchronize
 from course_lib.errors import UserError
 from course_lib.measure import GiB
 from course_lib.paging.cpu_offload import CPUOffloadAdamW
-from course_lib.paging.policies import Hardware
+from course_lib.paging.policies import OPTIMIZERS, Hardware, PagingError
 from course_lib.paging.regimes import simulate_offload
 from course_lib.paging.simulator import simulate
 from course_lib.paging.timeline import PrefetchTimeline, TimelineEntry
 from course_lib.paging.trace import TrainingSetup, params_from_module, training_trace
 from course_lib.paging.virtual_gpu import VirtualGPU, release_cuda_memory
+from course_lib.validate import Count, Device, checked
 
+MARGIN_OPTIMIZERS = (*OPTIMIZERS, "cpu_offload_adamw")  # the simulator's, and the manual offload
 DEMO_OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "cpu_offload_adamw")
 MARGIN = 0.15  # every OOM / no-OOM outcome of the demo is at least this far from the capacity
 
 
+@checked(error=PagingError)
 def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 1e-4):
     """The optimizers the lesson compares, by name: "adamw" (torch, foreach on CUDA), "paged_adamw_32bit",
     "paged_adamw_8bit", "adamw_32bit", "adamw_8bit" (bitsandbytes), "cpu_offload_adamw" (lesson 4)."""
+    params = validate.non_empty("params", params, "parameters to optimize", error=PagingError)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     if name == "cpu_offload_adamw":
@@ -55,13 +59,15 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float = 
     return makers[name](params, lr=lr)
 
 
-def mlp(hidden: int, layers: int, device: str | torch.device = "cpu") -> torch.nn.Sequential:
+@checked(error=PagingError)
+def mlp(hidden: Count, layers: int, device: Device = "cpu") -> torch.nn.Sequential:
     """Lesson 3's `mlp_stack` of `layers` Linear(hidden, hidden) + ReLU in fp32, on `device`: parameters in
     a few big tensors, named by layer ("2.0.weight" is layer 2) for `params_from_module` (lesson 4)."""
     with torch.device(device):
         return mlp_stack(layers, hidden, "relu")
 
 
+@checked(error=PagingError)
 def mlp_setup(shape: dict[str, int], optimizer: str = "paged_adamw_32bit"):
     """The simulator's `TrainingSetup` for `mlp(**shape)` (lesson 4): its parameters by name and the
     activations it saves per token (one hidden-sized fp32 vector per layer, plus the input)."""
@@ -72,6 +78,7 @@ def mlp_setup(shape: dict[str, int], optimizer: str = "paged_adamw_32bit"):
     )
 
 
+@checked(error=PagingError)
 def demo_shape(capacity: int) -> dict[str, int]:
     """A model for a `capacity`-byte GPU (lesson 4): fp32 weights 30% of it, gradients as much, 32-bit
     Adam state twice that (so neither plain AdamW nor the paged state fits), 8-bit state about 15%,
@@ -83,6 +90,7 @@ def demo_shape(capacity: int) -> dict[str, int]:
     return {"hidden": hidden, "layers": layers, "tokens": tokens}
 
 
+@checked(error=PagingError)
 def demo_margins(
     capacity: int,
     shape: dict[str, int] | None = None,
@@ -93,8 +101,10 @@ def demo_margins(
     is PyTorch's peak reserve (blocks rounded, foreach temporaries), "total" adds the resident paged
     state, "activations" is their share. Whether the allocator reuses the activations' freed blocks
     for later requests depends on their sizes, so a claim must hold either way (`demo_claims`)."""
+    capacity = validate.positive_int("capacity", capacity)
+    optimizers = validate.choices("optimizers", optimizers, MARGIN_OPTIMIZERS)  # never a name's letters
     shape = shape or demo_shape(capacity)
-    tokens = tokens or shape["tokens"]
+    tokens = shape["tokens"] if tokens is None else validate.positive_int("tokens", tokens)
     huge = Hardware.t4().with_memory(1 << 50)
     out = {}
     for name in optimizers:
@@ -109,6 +119,7 @@ def demo_margins(
     return out
 
 
+@checked(error=PagingError)
 def demo_claims(margins: dict[str, dict[str, float]]) -> dict[str, bool]:
     """The demo's claims, each true by at least `MARGIN` whether or not freed activation blocks are
     reused (lesson 4): plain AdamW runs out of memory; every other row completes; paged 32-bit state
@@ -124,6 +135,7 @@ def demo_claims(margins: dict[str, dict[str, float]]) -> dict[str, bool]:
     return claims
 
 
+@checked(error=PagingError)
 def spike_plan(capacity: int, shape: dict[str, int] | None = None) -> dict:
     """The spike experiment for the demo model of a `capacity`-byte GPU (lesson 4, "a transient spike"):
     a GPU 1.5 times as big, two normal steps, one 11 times longer, three normal ones. Compared with
@@ -152,6 +164,7 @@ def spike_plan(capacity: int, shape: dict[str, int] | None = None) -> dict:
     }
 
 
+@checked(error=PagingError)
 @dataclass
 class StepRecord:
     """One measured training step: seconds by phase, bytes of memory after it (lesson 4)."""
@@ -169,6 +182,7 @@ class StepRecord:
     outside_allocator: int = 0  # growth since the warm-up of device memory PyTorch did not reserve
 
 
+@checked(error=PagingError)
 @dataclass
 class DemoRun:
     """One optimizer's run in the GPU demo: status, steps, prefetch timeline (lesson 4)."""
@@ -269,6 +283,7 @@ def warm_up(device: torch.device) -> None:
     release_cuda_memory()
 
 
+@checked(error=PagingError)
 def demo_row(
     optimizer: str,
     shape: dict[str, int],
@@ -308,6 +323,8 @@ def paging_demo(
     """Plain AdamW vs bitsandbytes' AdamW8bit, PagedAdamW (32- and 8-bit) and manual offload on a GPU
     made to look `capacity` bytes big (lesson 4, "the real thing"), one process per optimizer. Needs
     CUDA; this process itself never touches the GPU."""
+    capacity, steps = validate.positive_int("capacity", capacity), validate.positive_int("steps", steps)
+    optimizers = validate.choices("optimizers", optimizers, DEMO_OPTIMIZERS)
     if not torch.cuda.is_available():
         raise RuntimeError("paging_demo needs a CUDA GPU; on CPU use course_lib.paging (the simulator)")
     shape = shape or demo_shape(capacity)
@@ -322,6 +339,7 @@ def paging_demo(
     }
 
 
+@checked(error=PagingError)
 def runs_table(runs: dict[str, dict]) -> str:
     """One line per optimizer run (lesson 4; as `demo_row` returns them), measured: status, median step
     time (steps after the first), phases of the last step, and memory after it: allocated, reserved,

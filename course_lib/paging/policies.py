@@ -18,6 +18,7 @@ from course_lib.caching_allocator import MIN_BLOCK, round_size
 from course_lib.caching_allocator import segment_size as segment_bytes  # noqa: F401 (course_lib.paging re-exports it)
 from course_lib.errors import UserError
 from course_lib.measure import GiB, KiB, MiB
+from course_lib.validate import checked
 
 GB = 10**9
 VA_BLOCK = 2 * MiB  # UVM VA block: the driver's unit of fault servicing and prefetch growth
@@ -65,6 +66,7 @@ def _share_of_the_link(prefetch_efficiency: float) -> None:
     )
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class Hardware:
     """A GPU and its host link, as the simulator sees them (lesson 4, "the simulator").
@@ -160,6 +162,7 @@ class Hardware:
         )
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class Policy:
     """How the driver moves managed memory (lesson 4, "4 KB and LRU?").
@@ -205,8 +208,7 @@ class Policy:
 def block_bytes(nbytes: int) -> int:
     """The bytes PyTorch's caching allocator hands out for a request of `nbytes` (lesson 4; its rules:
     `course_lib.caching_allocator`, which the planner's replay calls unchecked)."""
-    validate.finite("nbytes", nbytes, at_least=0, error=PagingError)
-    return round_size(nbytes)
+    return round_size(validate.non_negative_int("nbytes", nbytes, error=PagingError))
 
 
 def sweep_faults(leaves: int, missing: int, threshold: float = 0.51) -> int:

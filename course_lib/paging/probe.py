@@ -19,7 +19,9 @@ import torch
 
 from course_lib.device import synchronize
 from course_lib.measure import MiB
+from course_lib.paging.policies import PagingError
 from course_lib.paging.virtual_gpu import VirtualGPU
+from course_lib.validate import Count, checked
 
 CHUNK = 2 * MiB
 
@@ -110,7 +112,8 @@ def measure_bandwidths(nbytes: int = 512 * MiB, repeats: int = 3) -> dict[str, f
     return result  # the managed buffer is never freed (bitsandbytes has no free): run this in its own process
 
 
-def eviction_order(capacity_chunks: int = 64, extra_chunks: int = 16) -> dict:
+@checked(error=PagingError)
+def eviction_order(capacity_chunks: Count = 64, extra_chunks: int = 16) -> dict:
     """Which chunks the driver evicts, measured (lesson 4, "allocation order or LRU?").
 
     On a GPU made `capacity_chunks` 2 MB chunks big (`virtual_gpu.VirtualGPU`), the chunks of one managed

@@ -18,8 +18,10 @@ from course_lib.paging.trace import (
     training_trace,
     transformer_params,
 )
+from course_lib.validate import checked
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class OffloadResult:
     """One step with the optimizer on the CPU (lesson 4, "manual offload"). Seconds and bytes."""
@@ -83,6 +85,7 @@ def simulate_offload(
 # --------------------------------------------------------------------------------------------
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class RegimeResult:
     """One regime: the paged run, the unpaged run of the same steps, and what they say (lesson 4)."""
@@ -116,6 +119,7 @@ def lesson_model(n_layers: int, hidden: int = 2048, vocab: int = 50257, **kw) ->
     return transformer_params(n_layers, hidden, vocab, **kw)
 
 
+@checked(error=PagingError)
 def regimes(
     hardware: Hardware | None = None, policy: Policy | None = None, *, steps: int = 4, tokens: int = 2048
 ) -> dict[str, RegimeResult]:
@@ -153,6 +157,7 @@ def regimes(
     return out
 
 
+@checked(error=PagingError)
 def evicted_per_step_cost(
     gigabytes: float = 1.0, hardware: Hardware | None = None, policy: Policy | None = None, steps: int = 3
 ) -> dict[str, float]:
@@ -184,6 +189,7 @@ def evicted_per_step_cost(
     }
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class StrategyRow:
     """One model size under each way of handling optimizer state (lesson 4, "paging vs ...")."""
@@ -193,6 +199,7 @@ class StrategyRow:
     slowdown: dict[str, float | None]  # None: runs out of memory
 
 
+@checked(error=PagingError)
 def compare_strategies(
     layer_counts: Sequence[int] = (8, 12, 16, 20, 24, 28),
     hardware: Hardware | None = None,

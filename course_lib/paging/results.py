@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib.measure import format_bytes
-from course_lib.paging.policies import Hardware, OutOfDeviceMemory, Policy
+from course_lib.paging.policies import Hardware, OutOfDeviceMemory, PagingError, Policy
+from course_lib.validate import checked
 
 
+@checked(error=PagingError)
 @dataclass
 class PhaseStats:
     """Time (seconds) and traffic (bytes) of one phase of one step (lesson 4)."""
@@ -40,6 +42,7 @@ class PhaseStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class Segment:
     """One bar of the timeline (lesson 4): [start, end) seconds in `lane` (compute, H2D, D2H, faults)."""
@@ -53,6 +56,7 @@ class Segment:
     nbytes: int = 0
 
 
+@checked(error=PagingError)
 @dataclass
 class SimulationResult:
     """What `simulate` measured (lesson 4). Times in seconds, traffic in bytes."""

@@ -52,6 +52,7 @@ from course_lib.paging.policies import (
 )
 from course_lib.paging.results import PhaseStats, Segment, SimulationResult
 from course_lib.paging.trace import OPS, Event, chunk_trace
+from course_lib.validate import checked
 
 
 class _Managed:
@@ -389,6 +390,7 @@ def simulate(
     )
 
 
+@checked(error=PagingError)
 def chunk_migrations(
     accesses: Sequence[int], capacity_chunks: int, policy: str = "allocation", chunk_bytes: int = ROOT_CHUNK
 ) -> tuple[int, int]:

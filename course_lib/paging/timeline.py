@@ -11,8 +11,11 @@ import torch
 
 from course_lib.device import synchronize
 from course_lib.errors import UserTypeError
+from course_lib.paging.policies import PagingError
+from course_lib.validate import checked
 
 
+@checked(error=PagingError)
 @dataclass
 class TimelineEntry:
     """One parameter's prefetch or update inside `optimizer.step()`: seconds from the step's start (lesson 4)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from course_lib.measure import PHASES
+from course_lib.paging.policies import PagingError
+from course_lib.validate import checked
 
 TOUCH_CATEGORIES = ("weights", "gradients", "optimizer state", "activations and temporaries")
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class Touch:
     """One operator of a measured step touching one storage: its number, phase and category (lesson 4)."""
@@ -28,7 +31,8 @@ class Touch:
     nbytes: int
 
 
-def measure_touches(model, optimizer, loss_fn) -> list[Touch]:
+@checked(error=PagingError)
+def measure_touches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable) -> list[Touch]:
     """Run one training step (forward, backward, `optimizer.step()`) and record, for every
     operator, the storages it reads or writes and what they are (lesson 4, "when is the state
     touched?"). Run a step first so that the optimizer's lazily created state exists."""
@@ -92,6 +96,7 @@ def measure_touches(model, optimizer, loss_fn) -> list[Touch]:
     return [Touch(index, phase, category(ident), nbytes) for index, phase, ident, nbytes in raw]
 
 
+@checked(error=PagingError)
 def touch_summary(touches: Sequence[Touch]) -> dict[str, dict[str, int]]:
     """Operators per phase that touch each category (lesson 4)."""
     table = {phase: {cat: 0 for cat in TOUCH_CATEGORIES} for phase in PHASES}

@@ -23,6 +23,7 @@ from course_lib.paging.policies import (
     ROOT_CHUNK,
     PagingError,
 )
+from course_lib.validate import checked
 
 MAX_LAYERS = 10_000  # more decoder layers than any model has (the deepest have about a hundred)
 OPS = ("alloc", "free", "touch", "prefetch", "compute", "empty_cache")
@@ -48,10 +49,27 @@ class Event:
     phase: str = ""
     label: str = ""
 
+    def __post_init__(self) -> None:
+        """Each field checked once, here, for every way of making an event (`alloc`, `replace`, by hand):
+        2.5 bytes or a name's letters would be a silent wrong simulation."""
+        checked = {
+            "op": validate.choice("op", self.op, OPS, error=PagingError),
+            "names": validate.strings("names", self.names, error=PagingError) if self.names != () else (),
+            "nbytes": validate.non_negative_int("nbytes", self.nbytes, error=PagingError),
+            "managed": validate.strict_bool("managed", self.managed, error=PagingError),
+            "flops": validate.finite("flops", self.flops, at_least=0, error=PagingError),
+            "device_bytes": validate.finite("device_bytes", self.device_bytes, at_least=0, error=PagingError),
+            "step": validate.non_negative_int("step", self.step, error=PagingError),
+        }
+        for name in ("phase", "label"):
+            validate.instance(name, getattr(self, name), str, "a string", error=PagingError)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
 
 def alloc(name: str, nbytes: int, *, managed: bool = False, step: int = 0, phase: str = "") -> Event:
     """An allocation event: ordinary memory, or managed (paged) with `managed=True` (lesson 4)."""
-    return Event("alloc", (name,), nbytes=int(nbytes), managed=managed, step=step, phase=phase)
+    return Event("alloc", (name,), nbytes=nbytes, managed=managed, step=step, phase=phase)
 
 
 def free(name: str, *, step: int = 0, phase: str = "") -> Event:
@@ -69,6 +87,7 @@ def prefetch(*names: str, step: int = 0, phase: str = "") -> Event:
     return Event("prefetch", tuple(names), step=step, phase=phase)
 
 
+@checked(error=PagingError)
 def compute(*, flops: float = 0.0, device_bytes: float = 0.0, step: int = 0, phase: str = "", label: str = "") -> Event:
     """GPU work: its time is the larger of flops / device_flops and bytes / device_bandwidth (lesson 4)."""
     return Event(
@@ -81,6 +100,7 @@ def empty_cache(*, step: int = 0, phase: str = "") -> Event:
     return Event("empty_cache", (), step=step, phase=phase)
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter tensor: its name, element count, the layer it belongs to, whether it trains,
@@ -142,12 +162,15 @@ def transformer_params(
     return specs
 
 
+@checked(error=PagingError)
 def params_from_module(module) -> list[ParamSpec]:
     """ParamSpecs read from a torch module's `named_parameters()`, also on the meta device (lesson 4).
 
     The layer of a parameter is the first integer in its name ("h.3.mlp..." is layer 3);
     parameters without one join the layer of the parameter before them (layer 0 at the start).
     """
+    if not callable(getattr(module, "named_parameters", None)):
+        raise PagingError(f"module must be a torch.nn.Module, got {module!r:.60} ({type(module).__name__})")
     specs, layer = [], 0
     for name, p in module.named_parameters():
         match = re.search(r"\.(\d+)\.", f".{name}.")
@@ -159,6 +182,7 @@ def params_from_module(module) -> list[ParamSpec]:
     return specs
 
 
+@checked(error=PagingError)
 def activation_bytes_per_token(hidden: int, n_layers: int, bytes_per_value: int = 2) -> int:
     """Activations saved for backward per token: Korthikanti et al. 2022's 34*h bytes per layer in
     16-bit with flash attention (no s^2 term). Real layers store more (a Hugging Face GPT-2 layer
@@ -166,6 +190,7 @@ def activation_bytes_per_token(hidden: int, n_layers: int, bytes_per_value: int 
     return int(34 * hidden * n_layers * bytes_per_value // 2)
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class StateTensor:
     """One optimizer state tensor of a parameter: name, bytes, paged or not (lesson 4)."""
@@ -199,6 +224,7 @@ def optimizer_state(spec: ParamSpec, optimizer: str) -> list[StateTensor]:
     return [StateTensor(f"state1:{spec.name}", 4 * n, paged), StateTensor(f"state2:{spec.name}", 4 * n, paged)]
 
 
+@checked(error=PagingError)
 @dataclass(frozen=True)
 class TrainingSetup:
     """What one training step holds (lesson 4): the parameters, the optimizer, bytes of a gradient
@@ -259,6 +285,7 @@ class TrainingSetup:
         return sum(p.numel * p.dtype_bytes for p in self.params if p.trainable)
 
 
+@checked(error=PagingError)
 def training_trace(
     setup: TrainingSetup,
     tokens_per_step: Sequence[int],
@@ -341,6 +368,7 @@ def training_trace(
     return events
 
 
+@checked(error=PagingError)
 def chunk_trace(
     accesses: Sequence[int], n_chunks: int | None = None, chunk_bytes: int = ROOT_CHUNK, *, use_prefetch: bool = True
 ) -> list[Event]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 
@@ -14,10 +15,12 @@ from course_lib.planner.config.setup import Setup
 from course_lib.planner.predict import Plan, predict
 from course_lib.planner.search.elsewhere import where_it_fits
 from course_lib.planner.search.fit import what_makes_it_fit
+from course_lib.validate import checked
 
 
+@checked(error=PlanError)
 def plan(
-    model: str | ModelSpec | int | float,
+    model: str | ModelSpec | numbers.Real,  # a number is checked by its own rule: a positive whole one
     setup: Setup | None = None,
     *,
     gpu: str | GPU | None = None,

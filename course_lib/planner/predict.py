@@ -25,6 +25,7 @@ from course_lib.planner.states.model_states import model_states, target_match
 from course_lib.planner.trace.moe import unquantized_experts_note
 from course_lib.planner.trace.step_trace import trace_request
 from course_lib.planner.trace.toolbox import toolbox_notes
+from course_lib.validate import checked
 
 # the phases a chart draws (lesson 1), from those the planner computes (planner.phases.activations.PHASES)
 STEP_PHASES = {
@@ -34,6 +35,7 @@ STEP_PHASES = {
 }
 
 
+@checked(error=PlanError)
 @dataclass
 class Trick:
     """One trick of "what makes it fit": its name, what it saves in the final setup, and the peak and
@@ -46,6 +48,7 @@ class Trick:
     setup: Setup = field(repr=False)
 
 
+@checked(error=PlanError)
 @dataclass
 class Plan:
     """Predicted memory of one training step, by category, in bytes (lesson 1).
@@ -64,7 +67,7 @@ class Plan:
     trainable_params: int
     bytes: dict[str, int]
     activations_known: bool
-    detail: dict[str, int | float | str] = field(default_factory=dict)
+    detail: dict[str, object] = field(default_factory=dict)
     gpu: GPU | None = None
     tricks: list[Trick] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

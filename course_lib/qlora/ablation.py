@@ -3,28 +3,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from course_lib import validate
 from course_lib.device import DtypePolicy
 from course_lib.errors import UserError
 from course_lib.measure import format_bytes
 from course_lib.planner import GPU
+from course_lib.qlora.building import causal_lm_config
 from course_lib.qlora.gpu_rows import isolated_rows
 from course_lib.qlora.measuring import Row, measure_recipe
-from course_lib.qlora.recipe import Recipe, valid_recipe
+from course_lib.qlora.recipe import Recipe, RecipeError, valid_recipe
+from course_lib.validate import Count, Device, checked
 
 
+@checked(error=RecipeError)
 def ablation(
     config,
     recipe: Recipe | None = None,
-    device: str | torch.device = "cpu",
+    device: Device = "cpu",
     *,
-    timed_steps: int = 1,
+    timed_steps: Count = 1,
     policy: DtypePolicy | None = None,
     gpu: GPU | None = None,
     isolate: bool | None = None,
     as_t4: bool = False,
-    progress=None,
+    progress: Callable | None = None,
 ) -> list[Row]:
     """Each trick switched off in turn, then all off, measured and predicted (lesson 5, "what each
     trick buys"). `policy` and `gpu` as in `measure_recipe`.
@@ -33,6 +39,7 @@ def ablation(
     once: paged optimizer state is never freed, so rows in one process would see each other's. There
     `as_t4` runs each row under `emulate_t4` (policy and gpu are then the child's, not arguments).
     `progress(rows)` is called with the rows so far after each isolated row (to save them)."""
+    causal_lm_config(config)
     recipe = valid_recipe(recipe or Recipe())
     device = torch.device(device)
     cases = [("all tricks on", recipe)]
@@ -59,9 +66,11 @@ def ablation(
     ]
 
 
+@checked(error=RecipeError)
 def format_ablation(rows: list[Row]) -> str:
     """The ablation as a text table: measured and predicted peak, the error, the step time."""
-    head = rows[0].measured_peak or 1 if rows else 1
+    rows = validate.non_empty("rows", rows, "rows of qlora.ablation", error=RecipeError)
+    head = rows[0].measured_peak or 1
     width = max(len(r.label) for r in rows)
     lines = [
         f"{'configuration':<{width}}  {'measured':>10}  {'predicted':>10}  {'error':>6}  "

@@ -21,11 +21,18 @@ from course_lib.checkpointing import hf_checkpointing
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.errors import UserError
 from course_lib.model_config import load_config
-from course_lib.qlora.recipe import Recipe, valid_recipe
+from course_lib.qlora.recipe import Recipe, RecipeError, valid_recipe
+from course_lib.validate import Count, Device, checked
 
 
+@checked(error=RecipeError)
 def tiny_llama_config(
-    hidden: int = 256, layers: int = 2, heads: int = 8, kv_heads: int = 4, intermediate: int = 688, vocab: int = 1024
+    hidden: Count = 256,
+    layers: int = 2,
+    heads: Count = 8,
+    kv_heads: int = 4,
+    intermediate: int = 688,
+    vocab: int = 1024,
 ):
     """A Llama-architecture config small enough to train in seconds on a CPU (lesson 5)."""
     from transformers import LlamaConfig  # heavy: transformers
@@ -54,12 +61,24 @@ def llama_1b_config():
 _SAVED: dict[str, Path] = {}
 
 
+@checked(error=RecipeError)
+def causal_lm_config(config):
+    """`config` if it is a transformers model config (what `tiny_llama_config` returns); else a UserError."""
+    if not callable(getattr(config, "to_json_string", None)) or not hasattr(config, "model_type"):
+        raise UserError(
+            f"config must be a transformers model config such as qlora.tiny_llama_config(), got "
+            f"{' '.join(repr(config).split())[:60]} ({type(config).__name__})"
+        )
+    return config
+
+
 def checkpoint_dir(config) -> Path:
     """Random weights for `config`, saved once per config in a temporary folder (seed 0). With
     COURSE_LIB_CHECKPOINTS set, in a folder there named after the config, shared by every process
     (benchmarks/gpu_check.sh: the 1B checkpoint is written once for all its parts)."""
     from transformers import AutoModelForCausalLM  # heavy: only when a checkpoint is written
 
+    causal_lm_config(config)
     key = config.to_json_string()
     shared = os.environ.get("COURSE_LIB_CHECKPOINTS")
     if shared and key not in _SAVED and _complete(Path(shared) / hashlib.sha1(key.encode()).hexdigest()[:16]):
@@ -117,6 +136,7 @@ def quiet():
         bnb_logger.setLevel(old)
 
 
+@checked(error=RecipeError)
 def compute_dtype(policy: DtypePolicy) -> torch.dtype:
     """The dtype of the frozen base and of NF4's compute: the policy's autocast dtype, else fp32."""
     return policy.autocast_dtype or torch.float32
@@ -125,7 +145,7 @@ def compute_dtype(policy: DtypePolicy) -> torch.dtype:
 def build_model(
     config,
     recipe: Recipe,
-    device: str | torch.device = "cpu",
+    device: Device = "cpu",
     policy: DtypePolicy | None = None,
     weights: str | Path | None = None,
 ):
@@ -175,7 +195,8 @@ def build_model(
     return model.train()
 
 
-def counting_dataset(n: int, seq: int, vocab: int, seed: int = 0) -> list[dict]:
+@checked(error=RecipeError)
+def counting_dataset(n: Count, seq: Count, vocab: Count, seed: int = 0) -> list[dict]:
     """`n` sequences that count upward from a random start, modulo `vocab` (lesson 5): with a `vocab`
     much smaller than the model's, a pattern adapters pick up in a few steps, so a falling loss
     means training works."""

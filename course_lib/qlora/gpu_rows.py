@@ -32,9 +32,10 @@ from course_lib.qlora.building import (
 from course_lib.qlora.measuring import Row, measure_recipe, predict, recipe_step
 from course_lib.qlora.recipe import Recipe
 from course_lib.qlora.training import train
+from course_lib.validate import Device
 
 
-def emulate_t4(device: str | torch.device = "cuda") -> tuple[DtypePolicy, GPU]:
+def emulate_t4(device: Device = "cuda") -> tuple[DtypePolicy, GPU]:
     """Make a larger CUDA GPU behave like Colab's T4 for lesson 5's recipe: cap this process's caching
     allocator at the T4's visible memory less the CUDA context, and return the T4's precision policy
     (fp16 autocast + GradScaler) and catalog entry, for `measure_recipe`, `ablation` and `train`.
@@ -79,7 +80,7 @@ def measure_row(
 def isolated_rows(
     config,
     cases: list[tuple[str, Recipe]],
-    device: str | torch.device = "cuda",
+    device: Device = "cuda",
     *,
     timed_steps: int = 1,
     as_t4: bool = False,

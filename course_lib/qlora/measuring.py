@@ -21,9 +21,11 @@ from course_lib.paging import make_optimizer as lesson4_optimizer
 from course_lib.paging import release_cuda_memory
 from course_lib.planner import GPU, Setup, plan
 from course_lib.qlora.building import build_model, quiet
-from course_lib.qlora.recipe import PLANNER_OPTIM, Recipe, valid_recipe
+from course_lib.qlora.recipe import PLANNER_OPTIM, Recipe, RecipeError, valid_recipe
+from course_lib.validate import Device, checked
 
 
+@checked(error=RecipeError)
 def make_optimizer(model: torch.nn.Module, optim: str, lr: float = 2e-3) -> torch.optim.Optimizer:
     """The optimizer the Trainer builds for `optim`, over the trainable parameters (lesson 5); lesson
     4's `paging.make_optimizer` makes it."""
@@ -52,6 +54,7 @@ def planner_setup(recipe: Recipe, policy: DtypePolicy) -> Setup:
     )
 
 
+@checked(error=RecipeError)
 def predict(config, recipe: Recipe, policy: DtypePolicy | None = None, gpu=None):
     """The planner's prediction for a recipe (`course_lib.planner.plan`), as a Plan (lesson 5)."""
 
@@ -60,6 +63,7 @@ def predict(config, recipe: Recipe, policy: DtypePolicy | None = None, gpu=None)
     return plan(spec, planner_setup(recipe, policy), gpu=gpu, suggest=False)
 
 
+@checked(error=RecipeError)
 @dataclass
 class Row:
     """One line of the ablation table: a recipe, its measured and predicted peak, its step time."""
@@ -86,7 +90,7 @@ class Row:
 def measure_recipe(
     config,
     recipe: Recipe,
-    device: str | torch.device = "cpu",
+    device: Device = "cpu",
     *,
     timed_steps: int = 1,
     label: str = "",
@@ -159,6 +163,7 @@ def measure_recipe(
     )
 
 
+@checked(error=RecipeError)
 def recipe_step(model, recipe: Recipe, policy: DtypePolicy, ids: torch.Tensor):
     """The optimizer and a function running one whole optimizer step of `recipe` (every micro-batch and
     the update, with the policy's autocast and GradScaler), as the Trainer runs it (lesson 5)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 from course_lib import validate
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 # The Trainer's `optim` names and the planner's names for the same optimizer.
 PLANNER_OPTIM = {"paged_adamw_8bit": "paged_adamw8bit", "adamw_8bit": "adamw8bit", "adamw_torch": "adamw"}
@@ -17,6 +18,7 @@ class RecipeError(UserError):
     """A recipe that cannot be trained: the message says what to change (lesson 5)."""
 
 
+@checked(error=RecipeError)
 @dataclass(frozen=True)
 class Recipe:
     """How to fine-tune (lesson 5, "the recipe"). Defaults: every trick on.

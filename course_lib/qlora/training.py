@@ -13,7 +13,8 @@ from course_lib import validate
 from course_lib.device import DtypePolicy, dtype_policy
 from course_lib.errors import UserError
 from course_lib.qlora.building import build_model, quiet
-from course_lib.qlora.recipe import Recipe, valid_recipe
+from course_lib.qlora.recipe import Recipe, RecipeError, valid_recipe
+from course_lib.validate import Device, checked
 
 
 def training_arguments(
@@ -22,7 +23,7 @@ def training_arguments(
     *,
     max_steps: int,
     learning_rate: float = 2e-3,
-    device: str | torch.device = "cpu",
+    device: Device = "cpu",
     policy: DtypePolicy | None = None,
 ):
     """The Trainer's arguments for a recipe (lesson 5): the four tricks are four arguments, the
@@ -65,6 +66,7 @@ def training_arguments(
     )
 
 
+@checked(error=RecipeError)
 @dataclass
 class TrainResult:
     losses: list[float]
@@ -79,7 +81,7 @@ def train(
     *,
     max_steps: int,
     learning_rate: float = 2e-3,
-    device: str | torch.device = "cpu",
+    device: Device = "cpu",
     policy: DtypePolicy | None = None,
     weights: str | Path | None = None,
 ) -> TrainResult:

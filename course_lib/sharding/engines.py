@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from course_lib.errors import UserError
 from course_lib.layers import find_layer_stack
+from course_lib.validate import Count, Device, checked
 
 ENGINES = {
     "none": "DDP",
@@ -56,6 +57,7 @@ STAGES = tuple(ENGINES)
 WRAPPINGS = ("blocks", "torchtitan")
 
 
+@checked
 @dataclass(frozen=True)
 class FSDPOptions:
     """How FSDP2 is configured for zero2 and zero3 (lesson 6, "FSDP2 as people configure it").
@@ -89,13 +91,14 @@ def fsdp_units(model: nn.Module, wrapping: str) -> list[list[nn.Module]]:
     return ([] if tied else [[embeddings]]) + units + ([rest] if rest else [])
 
 
+@checked
 def wrap(
     model: nn.Module,
     stage: str,
-    world_size: int,
+    world_size: Count,
     lr: float = 1e-3,
     *,
-    device: str = "cpu",
+    device: Device = "cpu",
     offload_policy=None,
     fsdp: FSDPOptions = FSDPOptions(),
 ):
@@ -106,6 +109,8 @@ def wrap(
     `fsdp` says how it is wrapped and in which dtypes it gathers and reduces."""
     if stage not in ENGINES:
         raise UserError(f"unknown stage {stage!r}: use one of {', '.join(ENGINES)}")
+    if not dist.is_initialized():
+        raise UserError("wrap runs in a process group: call it in a rank's worker (run_ranks starts them)")
     if stage in ("none", "zero1"):
         # off the import path: torch.distributed.optim takes most of a second to import
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -21,6 +21,7 @@ from course_lib.measure import PHASES, PlainTextTable, format_bytes, optimizer_s
 from course_lib.sharding.engines import ENGINES, STAGES, FSDPOptions, wrap
 from course_lib.sharding.launch import run_ranks
 from course_lib.sharding.tracking import CommCounter, RankTracker
+from course_lib.validate import checked
 
 # Measured steps per stage. The collectives run asynchronously (gloo's worker thread drops its references
 # to a collective's buffers on its own schedule), so which buffers are alive together moves from step to
@@ -29,6 +30,7 @@ from course_lib.sharding.tracking import CommCounter, RankTracker
 REPEATS = 2
 
 
+@checked
 @dataclass
 class RankStep(PlainTextTable):
     """What one rank held and sent in one training step, in bytes (lesson 6)."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from course_lib.measure import LiveStorageTracker
+from course_lib.validate import checked
 
 
 class RankTracker(LiveStorageTracker):
@@ -90,6 +91,7 @@ _COLLECTIVES = {
 }
 
 
+@checked
 @dataclass
 class CommCounter:
     """Collectives issued and bytes each rank sends for them (ring algorithm), by collective (lesson 6)."""

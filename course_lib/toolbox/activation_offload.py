@@ -12,12 +12,16 @@ the layers' inputs, which checkpointing keeps, travel.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from course_lib import validate
 from course_lib.paging.policies import PCIE3_X16
+from course_lib.validate import checked
 
 
+@checked
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """`save_on_cpu`'s hooks, with host memory that no torch storage holds (lesson 7).
 
@@ -29,7 +33,7 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     synchronous save_on_cpu.
     """
 
-    def __init__(self, weights=()) -> None:
+    def __init__(self, weights: Iterable[torch.Tensor] = ()) -> None:
         self.to_host = self.to_device = self.weights_to_host = 0
         self._weights = {w.untyped_storage()._cdata for w in weights}
         super().__init__(self._pack, self._unpack)
@@ -53,6 +57,7 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         return out
 
 
+@checked
 def transfer_seconds(to_host: int, to_device: int, bandwidth: float = PCIE3_X16) -> float:
     """Predicted time of the copies of one step at `bandwidth` bytes/s each way, with no overlap
     (save_on_cpu copies on the compute stream): a lower bound, the link's theoretical rate (lesson 7).

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from course_lib import validate
 from course_lib.errors import UserError
+from course_lib.validate import Count, checked
 
 
 def _chunk_loss_sum(
@@ -38,16 +39,39 @@ def _chunk_loss_sum(
     return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
 
 
+@checked
+def _described(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device.type}"
+
+
+def _token_tensors(input_ids: torch.Tensor, **alike: torch.Tensor | None) -> None:
+    """input_ids an integer (batch, sequence) tensor with data, and each of `alike` (labels, the attention
+    mask) one of the same shape, or None."""
+    if input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise UserError(
+            f"input_ids must be token ids, an integer tensor of (batch, sequence), got {_described(input_ids)}"
+        )
+    for name, tensor in alike.items():
+        if tensor is not None and (tensor.shape != input_ids.shape or tensor.device != input_ids.device):
+            raise UserError(
+                f"{name} must have input_ids' shape {tuple(input_ids.shape)} and device, got {_described(tensor)}"
+            )
+
+
+@checked
 def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Hugging Face's shift: position t is scored on token t+1; the last position on nothing."""
+    if labels.dim() == 0 or labels.is_floating_point():
+        raise UserError(f"labels must be token ids, an integer tensor of (batch, sequence), got {_described(labels)}")
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+@checked
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int,
+    chunk_size: Count,
     *,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
@@ -86,7 +110,17 @@ def chunked_cross_entropy(
             f"labels {tuple(labels.shape)} must have the shape of hidden without its last "
             f"dimension, {tuple(hidden.shape[:-1])}"
         )
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype or bias.is_meta):
+        raise UserError(
+            f"bias must be the output layer's, {tuple(weight.shape[:1])} like weight, got {_described(bias)}"
+        )
     targets = (shifted_labels(labels, ignore_index) if shift else labels).reshape(-1)
+    scored = targets[targets != ignore_index] if not targets.is_meta else targets[:0]
+    if scored.numel() and not (0 <= int(scored.min()) and int(scored.max()) < weight.shape[0]):
+        raise UserError(
+            f"labels must be token ids below the vocabulary's {weight.shape[0]:,} (weight's rows) or "
+            f"ignore_index {ignore_index}, got {int(scored.min())}..{int(scored.max())}"
+        )
     flat = hidden.reshape(-1, hidden.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
     context_fn = (
@@ -115,6 +149,7 @@ def chunked_cross_entropy(
     return total / num_items_in_batch
 
 
+@checked
 def hidden_states_and_head(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.nn.Linear]:
@@ -123,8 +158,10 @@ def hidden_states_and_head(
     adapters live inside the base model's layers)."""
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    head = model.get_output_embeddings()
-    decoder = model.base_model
+    _token_tensors(input_ids, attention_mask=attention_mask)
+    output_layer = getattr(model, "get_output_embeddings", None)
+    head = output_layer() if callable(output_layer) else None
+    decoder = getattr(model, "base_model", model)
     if head is None or decoder is model:
         raise UserError(
             f"{type(model).__name__} is not a Hugging Face causal LM with an output layer "
@@ -137,11 +174,12 @@ def hidden_states_and_head(
     return out.last_hidden_state, head
 
 
+@checked
 def chunked_causal_lm_loss(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int,
+    chunk_size: Count,
     *,
     attention_mask: torch.Tensor | None = None,
     ignore_index: int = -100,

@@ -20,6 +20,7 @@ import torch
 
 from course_lib.errors import UserError
 from course_lib.measure import optimizer_state_tensors, storage_bytes, storage_key
+from course_lib.validate import checked
 
 
 def _adafactor(params):
@@ -46,6 +47,7 @@ LEAN_OPTIMIZERS: dict[str, tuple[str, Callable]] = {
 
 
 @contextlib.contextmanager
+@checked
 def embeddings_in_32_bits(model: torch.nn.Module):
     """Inside, a bitsandbytes 8-bit optimizer initialises 32-bit state for the model's nn.Embedding
     weights, as transformers' Trainer registers it (trainer.py, `register_module_override` with
@@ -64,6 +66,7 @@ def embeddings_in_32_bits(model: torch.nn.Module):
             manager.pid2config.pop(id(weight), None)
 
 
+@checked
 @dataclass(frozen=True)
 class StateTensor:
     """One tensor of an optimizer's state; `bytes` is 0 for a storage already counted (shared)."""
@@ -75,6 +78,7 @@ class StateTensor:
     bytes: int
 
 
+@checked
 def state_tensors(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) -> list[StateTensor]:
     """Every tensor of `optimizer.state`, named by its parameter, each storage counted once (lesson 7)."""
     seen: set[tuple[str, int]] = set()
@@ -93,12 +97,15 @@ def state_tensors(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, st
     return rows
 
 
+@checked
 def stepped_optimizer(model: torch.nn.Module, name: str, seed: int = 0) -> torch.optim.Optimizer:
     """The optimizer `name` of LEAN_OPTIMIZERS over the model's trainable parameters, after one step on
     random gradients (its state exists from then on; lesson 7)."""
     if name not in LEAN_OPTIMIZERS:
         raise UserError(f"unknown optimizer {name!r}: use one of {', '.join(LEAN_OPTIMIZERS)}")
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError(f"{type(model).__name__} has no trainable parameter: there is no optimizer state to count")
     generator = torch.Generator().manual_seed(seed)
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
@@ -108,6 +115,7 @@ def stepped_optimizer(model: torch.nn.Module, name: str, seed: int = 0) -> torch
     return optimizer
 
 
+@checked
 def bytes_per_parameter(model: torch.nn.Module, name: str) -> tuple[int, float]:
     """(state bytes, bytes per trainable parameter) of optimizer `name`, measured (lesson 7)."""
     optimizer = stepped_optimizer(model, name)

@@ -16,8 +16,10 @@ import torch
 
 from course_lib import validate
 from course_lib.errors import UserError
+from course_lib.validate import checked
 
 
+@checked
 class OptimizerInBackward:
     """Per-parameter optimizers stepped inside backward (lesson 7).
 
@@ -104,6 +106,7 @@ def accumulation_breaks(
     }
 
 
+@checked
 def clipping_breaks(
     make_model: Callable[[], torch.nn.Module],
     batch: torch.Tensor,
@@ -123,6 +126,8 @@ def clipping_breaks(
     validate.positive("max_norm", max_norm)
     torch.manual_seed(0)
     plain, fused = make_model(), make_model()
+    if not isinstance(plain, torch.nn.Module):
+        raise UserError(f"make_model must build a new torch model each call, got {type(plain).__name__}")
     fused.load_state_dict(plain.state_dict())
     optimizer = make_optimizer(list(plain.parameters()))
     loss_fn(plain, batch).backward()

@@ -225,11 +225,15 @@ def test_concat_pads_micro_batches_of_different_lengths():
 
 
 def test_windows_group_micro_batches_with_a_short_last_one():
-    assert [len(w) for w in windows(range(10), 4)] == [4, 4, 2]
-    assert [len(w) for w in windows(range(3), 8)] == [3]
+    batches = regression_batches(10, batch_size=2)
+    assert [len(w) for w in windows(batches, 4)] == [4, 4, 2]
+    assert [w[0] for w in windows(batches, 4)] == [batches[0], batches[4], batches[8]]
+    assert [len(w) for w in windows(batches[:3], 8)] == [3]
     assert list(windows([], 4)) == []
     with pytest.raises(ValueError):
-        list(windows(range(3), 0))
+        list(windows(batches[:3], 0))
+    with pytest.raises(ValueError, match="batches must be a list"):  # a micro-batch is a batch, never a number
+        list(windows(range(3), 2))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from course_lib.checkpointing import (
     segments_plan,
     validate_plan,
 )
+from course_lib.errors import UserError
 
 MiB = 2**20
 
@@ -162,10 +163,14 @@ def test_a_gap_between_segments_keeps_the_unchecked_layers_saved_bytes():
 
 
 def test_mismatched_sizes_are_refused():
-    with pytest.raises(ValueError, match="one entry per layer"):
+    with pytest.raises(UserError, match=r"input_bytes must have 2 byte counts \(one per layer\), got 1"):
         plan_cost([2, 2], [1], [])
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(UserError, match=r"saved_bytes\[1\] must be a whole number >= 0, got -2"):
         plan_cost([2, -2], [1, 1], [])
+    with pytest.raises(UserError, match=r"saved_bytes\[0\] must be a whole number >= 0, got 2.5 \(it has a fraction\)"):
+        plan_cost([2.5, 2], [1, 1], [])
+    with pytest.raises(UserError, match="saved_bytes must be a list of byte counts, got 'abc'"):
+        plan_cost("abc", [1, 1, 1], [])
 
 
 def test_layers_that_save_their_output_hold_it_in_their_backward():

@@ -494,7 +494,11 @@ def test_a_trace_that_touches_unallocated_memory_is_a_clear_error():
     with pytest.raises(pg.PagingError, match="allocated twice"):
         pg.simulate([pg.alloc("a", MiB), pg.alloc("a", MiB)])
     with pytest.raises(pg.PagingError, match="positive byte count"):
-        pg.simulate([pg.alloc("a", -5)])
+        pg.simulate([pg.alloc("a", 0)])
+    with pytest.raises(pg.PagingError, match=r"nbytes must be a whole number >= 0, got -5"):
+        pg.alloc("a", -5)
+    with pytest.raises(pg.PagingError, match=r"nbytes must be a whole number >= 0, got 2.5 \(it has a fraction\)"):
+        pg.alloc("a", 2.5)  # never rounded down to 2 bytes
     with pytest.raises(pg.PagingError, match="unknown op"):
         pg.simulate([pg.Event("swap", ("a",))])
 

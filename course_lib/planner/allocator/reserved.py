@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from course_lib.cache import memo
 from course_lib.caching_allocator import replay
 from course_lib.measure import format_bytes
+from course_lib.planner.config.errors import PlanError
 from course_lib.planner.config.gpus import CUDA_CONTEXT_BYTES, GPU
 from course_lib.planner.states.model_states import state_tensor_bytes
+from course_lib.validate import checked
 
 # aten/src/ATen/cuda/CublasHandlePool.cpp (docs/references.md, the anchor above): CUBLAS_WORKSPACE_CONFIG's
 # default ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB), 32 MiB on compute capability 9.0; CUBLASLT_WORKSPACE_SIZE's
@@ -43,6 +45,7 @@ CUBLASLT_WORKSPACE = 1024 * 1024
 CUBLAS_HANDLES = 2  # the main thread's and the autograd engine's CUDA device thread's (handles are per thread)
 
 
+@checked(error=PlanError)
 def cublas_workspaces(gpu: GPU) -> list[int]:
     """The bytes of each cuBLAS and cuBLASLt workspace a training step allocates on `gpu` (lesson 1)."""
     cublas = CUBLAS_WORKSPACE_SM90 if gpu.compute_capability == (9, 0) else CUBLAS_WORKSPACE
@@ -61,6 +64,7 @@ def _states_slack(sizes: tuple[int, ...]) -> int:
     return memo("states-slack", sizes, lambda: replay(list(sizes)).peak_reserved - sum(sizes))
 
 
+@checked(error=PlanError)
 @dataclass(frozen=True)
 class Reserved:
     """The OOM line of a plan (lesson 1): `allocated` (max_memory_allocated: the plan's categories

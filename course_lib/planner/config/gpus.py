@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from course_lib.measure import MiB
 from course_lib.planner.config.errors import PlanError
+from course_lib.validate import checked
 
 # Memory a CUDA process uses outside PyTorch's allocator: the CUDA context and library handles
 # (about 300 to 700 MB: PyTorch issues 28113 and 107667, docs/references.md). A mid value; measure
@@ -21,6 +22,7 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 HOST_LINKS = {"PCIe 3.0 x16": 15.75e9, "PCIe 4.0 x16": 31.5e9, "PCIe 5.0 x16": 63.0e9}
 
 
+@checked(error=PlanError)
 @dataclass(frozen=True)
 class GPU:
     """A GPU as a training process sees it: the memory nvidia-smi reports as total, what CUDA reports

@@ -26,6 +26,7 @@ from course_lib.planner.config.fields import (
     Step,
 )
 from course_lib.planner.config.gpus import GPU
+from course_lib.validate import checked
 
 CATEGORIES = (
     "weights",
@@ -46,6 +47,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INDEX_MAX = torch.iinfo(torch.int64).max  # the most elements a tensor's size can count
 
 
+@checked(error=PlanError)
 @dataclass(frozen=True)
 class Setup(Parallel, Activations, Step, Adapters, PrecisionOptions):
     """How the model is trained (lesson 1): the fields of every group in `GROUPS`. Sizes are per
@@ -285,6 +287,7 @@ def _validate_toolbox(setup: Setup) -> None:
         )
 
 
+@checked(error=PlanError)
 def default_precision(gpu: GPU | None, quant: str = "none", gpus: int | None = None) -> str:
     """The precision a setup that names none is planned in (lesson 1, docs/planner.md's defaults): on a GPU
     target the Trainer's bf16=True, amp-bf16 (amp-fp16 on a GPU without bf16 hardware, lesson 5's T4

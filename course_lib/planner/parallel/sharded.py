@@ -34,6 +34,7 @@ from course_lib.planner.config.errors import PlanError
 from course_lib.planner.config.setup import Setup, itemsize
 from course_lib.planner.parallel.fsdp import fsdp_values
 from course_lib.planner.states.model_states import ModelStates, optimizer_step_extra
+from course_lib.validate import checked
 
 # what each stage divides by N, as the paper counts it
 PARTITIONED = {
@@ -150,6 +151,7 @@ def _with_total(out: dict) -> dict:
     return {**out, "total": sum(v for k, v in out.items() if k != "total")}
 
 
+@checked(error=PlanError)
 def offload_prediction(plan) -> dict[str, int]:
     """Bytes on the GPU, in CPU RAM and over PCIe per step for a zero3 plan under FSDP2's
     CPUOffloadPolicy (lesson 6, "offloading the shards"): the shards of weights, gradients and optimizer
@@ -157,6 +159,8 @@ def offload_prediction(plan) -> dict[str, int]:
     its fp32 weight shard is copied to the GPU, and each gradient shard is copied back
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `all_gather_inputs`, _fsdp_collectives.py
     `foreach_reduce`). With --params only, nothing is known to stay on the GPU."""
+    if not hasattr(plan, "setup") or not hasattr(plan, "bytes"):
+        raise PlanError(f"plan must be a planner.Plan (what planner.plan returns), got {type(plan).__name__}")
     if plan.setup.gpus is None or plan.setup.shard != "zero3":
         raise PlanError("offload_prediction takes a plan with gpus=N and shard='zero3'")
     b, d = plan.bytes, plan.detail

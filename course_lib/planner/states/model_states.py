@@ -13,6 +13,7 @@ from course_lib.paging.policies import BNB_MIN_8BIT_SIZE
 from course_lib.planner.config.errors import PlanError
 from course_lib.planner.config.fields import OPTIMIZERS
 from course_lib.planner.config.setup import Setup, itemsize
+from course_lib.validate import checked
 
 # bitsandbytes 0.50.2 (optim/optimizer.py, Optimizer2State; docs/references.md): 8-bit blockwise
 # state, 256 values per float32 absmax; tensors below 4096 elements keep 32-bit state; two 256-entry
@@ -202,6 +203,7 @@ def _bnb_cpu_step_bytes(n: int, grad_itemsize: int, eight_bit: bool) -> int:
     return (16 if sixteen else 12) * n
 
 
+@checked(error=PlanError)
 @dataclass
 class ModelStates:
     weights: int
@@ -219,6 +221,7 @@ class ModelStates:
     state_itemsize: int = 4
 
 
+@checked(error=PlanError)
 def model_states(spec: ModelSpec | None, setup: Setup, n_params: int | None = None, cuda: bool = False) -> ModelStates:
     """Exact bytes of weights, gradients, optimizer state, master weights and quantization metadata
     (lesson 1). With `spec=None`, `n_params` parameters are treated as one full fine-tune."""

@@ -23,8 +23,10 @@ from course_lib.planner.trace.model import build_traced_model, decoder_layers, t
 from course_lib.planner.trace.toolbox import step_in_backward_hook, traced_loss
 from course_lib.planner.trace.tracer import MetaTracer
 from course_lib.toolbox.activation_offload import HostOffload
+from course_lib.validate import checked
 
 
+@checked(error=PlanError)
 @dataclass(frozen=True)
 class Trace:
     """What one meta-device training step of the real implementation allocated (lesson 1).
@@ -83,9 +85,10 @@ class Trace:
     # the allocations and frees themselves, cut by phase and position (AllocationStream, MetaTracer): what
     # planner.trace.deep_stream builds a deep model's from; not kept on disk
     stream: tuple[int, ...] = field(default=(), compare=False, repr=False)
-    stream_marks: tuple = field(default=(), compare=False, repr=False)
+    stream_marks: tuple[tuple[int, str, int | str], ...] = field(default=(), compare=False, repr=False)
 
 
+@checked(error=PlanError)
 def trace_step(spec: ModelSpec, setup: Setup, target: str = "cpu") -> Trace:
     """Trace one forward + backward of the model on the meta device at the setup's size (lesson 1).
 
