@@ -147,6 +147,16 @@ PLAUSIBLE_FOR: dict[str, dict[str, Callable[[], object]]] = {
         for name in ("chunked_causal_lm_loss", "hidden_states_and_head")
     },
     "course_lib.checkpointing.assert_gradients_flow": {"batch": lambda: torch.randn(2, 4)},
+    # sizes that train in milliseconds, for the calls that are not refused
+    "course_lib.accumulation.measure_accumulation_cost": {
+        "effective_batch": lambda: 4,
+        "micro_batches": lambda: (4, 1),
+        "width": lambda: 8,
+        "depth": lambda: 1,
+        "seq_len": lambda: 4,
+        "repeats": lambda: 1,
+    },
+    "course_lib.paging.compare_strategies": {"layer_counts": lambda: (8,), "steps": lambda: 1},
 }
 
 
