@@ -291,7 +291,7 @@ def _wanted(value, hint, default_none: bool = False) -> str | None:
         want = _wanted(value, args[0], default_none)
         if want is not None and args[0] is int and any(isinstance(meta, AtLeast) for meta in checks):
             return next(meta.wanted(-INT64) for meta in checks if isinstance(meta, AtLeast))  # its words
-        if want is not None or value is None:
+        if want is not None or (value is None and default_none):
             return want
         return next((want for meta in checks if (want := meta.wanted(value)) is not None), None)
     if origin in (typing.Union, types.UnionType):
@@ -301,15 +301,18 @@ def _wanted(value, hint, default_none: bool = False) -> str | None:
         return " or ".join(dict.fromkeys(wants))
     if hint is type(None):
         return "None"
-    if origin is typing.Literal:
-        if any(value == arg and type(value) is type(arg) for arg in args):
+    if origin is typing.Literal:  # compared as what it is (numpy's 2 is 2), never a tensor's ==
+        plain = str(value) if isinstance(value, str) else None
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            plain = int(value)
+        if plain is not None and any(plain == arg and type(plain) is type(arg) for arg in args):
             return None
         return LITERAL if isinstance(value, str) else " or ".join(map(repr, args))
     if hint is bool:
         return None if isinstance(value, bool) else "True or False"
     if hint is int:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            return None if -INT64 < value < INT64 else "an int within int64's range"
+            return None if -INT64 <= value < INT64 else "an int within int64's range"
         return "an int (a whole number)"
     if hint is float:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
@@ -320,7 +323,12 @@ def _wanted(value, hint, default_none: bool = False) -> str | None:
     if container in (list, tuple, Sequence, collections.abc.MutableSequence, Iterable, collections.abc.Collection):
         if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or isinstance(value, dict):
             return "a list"
-        if not isinstance(value, Sequence) or not args:  # an iterator is not read here
+        indexed = isinstance(value, Sequence) or (hasattr(value, "__len__") and hasattr(value, "__getitem__"))
+        if container in (Iterable, collections.abc.Collection) and not indexed:
+            return None  # an iterator is not read here (it would be used up)
+        if not indexed:
+            return "a list (not an iterator, which would be used up)"
+        if not args:
             return None
         if container is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
@@ -413,9 +421,9 @@ def checked(obj=None, *, error: type[UserError] = UserTypeError):
     resolved: dict[str, object] = {}
 
     def check(values: dict[str, object]) -> None:
-        if not resolved:  # on the first call, when every name the annotations use is defined
+        if "return" not in resolved:  # on the first call, when every name the annotations use is defined
             resolved.update(type_hints(obj if fields else function))
-            resolved.pop("return", None)
+            resolved["return"] = None  # resolved: also for a function with no annotations
         for name, value in values.items():
             if name in resolved and name not in variadic:
                 annotated(owner + name, value, resolved[name], default_none=name in none_by_default, error=error)

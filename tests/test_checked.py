@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,7 +58,7 @@ def test_good_arguments_pass_and_the_result_is_the_functions():
         ("n", 2.5, "a whole number >= 1"),
         ("n", 0, ">= 1"),  # the boundary of Count itself
         ("shape", (2, 2**63), "int64"),
-        ("shape", (2, -(2**63)), "int64"),
+        ("shape", (2, -(2**63) - 1), "int64"),
         ("scale", math.nan, "finite"),
         ("scale", math.inf, "finite"),
         ("scale", True, "finite"),
@@ -114,3 +116,34 @@ def test_a_multi_line_repr_is_shown_on_one_line():
 def test_a_wrong_call_is_a_user_error_not_pythons_type_error_text_alone():
     with pytest.raises(UserTypeError, match="sized: missing a required argument"):
         sized(1)
+
+
+@checked
+def picked(kind: Literal["a", "b"], version: Literal[1, 2], items: Sequence[int], stream: Iterable[int]):
+    return kind, version
+
+
+@checked
+def placed(device: Device):
+    return device
+
+
+def test_a_literal_compares_what_a_value_is_and_never_a_tensors_equality():
+    assert picked("a", np.int64(2), [1], iter([1])) == ("a", 2)
+    for version in (2.0, True, torch.tensor([1, 2]), np.array([1, 2])):
+        with pytest.raises(UserTypeError, match="version must be 1 or 2"):
+            picked("a", version, [1], [1])
+    with pytest.raises(UserTypeError, match="unknown kind 'c'"):
+        picked("c", 1, [1], [1])
+
+
+def test_an_iterator_is_refused_where_it_would_be_used_up_and_let_through_where_it_is_read_once():
+    with pytest.raises(UserTypeError, match="not an iterator"):
+        picked("a", 1, iter([1]), [1])
+    assert picked("a", 1, torch.Size([2, 3]), (n for n in [1])) == ("a", 1)
+
+
+def test_none_is_no_device_and_int64s_lowest_value_is_an_int():
+    with pytest.raises(UserTypeError, match="device must be a device"):
+        placed(None)
+    assert sized(**{**GOOD, "shape": (2, -(2**63))}) == 1

@@ -17,7 +17,7 @@ from course_lib.checkpointing.profile import StackProfile, flop_counter, profile
 from course_lib.checkpointing.selective import policy_name
 from course_lib.layers import find_layer_stack
 from course_lib.measure import MiB, measure_step, training_loss
-from course_lib.validate import Count, checked
+from course_lib.validate import NonNegative, checked
 
 
 @checked
@@ -107,9 +107,9 @@ def time_plans(
     loss_fn: Callable[[], torch.Tensor],
     plans: Sequence[tuple[object, object]],
     *,
-    repeats: Count = 3,
+    repeats: NonNegative = 3,
     stack: nn.Module | None = None,
-) -> list[float]:
+) -> list[float | None]:
     """Fastest forward + backward time of each (plan, policy), in seconds (lesson 3).
 
     The plans take turns, `repeats` rounds after one warm-up round, so that a machine whose load
@@ -124,7 +124,7 @@ def time_plans(
                 seconds = _timed_step(model, loss_fn, device)
             if round_:
                 best[index] = min(best[index], seconds)
-    return best
+    return best if repeats else [None] * len(plans)  # 0 repeats: not timed
 
 
 @checked

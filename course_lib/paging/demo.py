@@ -94,7 +94,7 @@ def demo_shape(capacity: int) -> dict[str, int]:
 def demo_margins(
     capacity: int,
     shape: dict[str, int] | None = None,
-    optimizers: Sequence[str] = DEMO_OPTIMIZERS,
+    optimizers: str | Sequence[str] = DEMO_OPTIMIZERS,
     tokens: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """What each demo row needs over `capacity`, simulated on an unbounded device (lesson 4): "ordinary"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 
@@ -20,7 +21,7 @@ from course_lib.validate import checked
 
 @checked(error=PlanError)
 def plan(
-    model: str | ModelSpec | numbers.Real,  # a number is checked by its own rule: a positive whole one
+    model: str | os.PathLike | ModelSpec | numbers.Real,  # a number is checked by its own rule: a positive whole one
     setup: Setup | None = None,
     *,
     gpu: str | GPU | None = None,

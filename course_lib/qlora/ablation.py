@@ -16,7 +16,7 @@ from course_lib.qlora.building import causal_lm_config
 from course_lib.qlora.gpu_rows import isolated_rows
 from course_lib.qlora.measuring import Row, measure_recipe
 from course_lib.qlora.recipe import Recipe, RecipeError, valid_recipe
-from course_lib.validate import Count, Device, checked
+from course_lib.validate import Device, NonNegative, checked
 
 
 @checked(error=RecipeError)
@@ -25,7 +25,7 @@ def ablation(
     recipe: Recipe | None = None,
     device: Device = "cpu",
     *,
-    timed_steps: Count = 1,
+    timed_steps: NonNegative = 1,
     policy: DtypePolicy | None = None,
     gpu: GPU | None = None,
     isolate: bool | None = None,

@@ -38,6 +38,10 @@ class GPU:
     # (docs/references.md#torchcudaget_device_properties-outputs-gpu-memory-as-cuda-reports-it)
     cuda_memory_bytes: int | None = None
 
+    def __post_init__(self) -> None:  # (9, 0), also when given as a list (JSON's): compared as a tuple
+        if isinstance(self.compute_capability, list):
+            object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
+
     @property
     def host_link_bytes_per_s(self) -> float:
         """The host link's theoretical rate, bytes/s each way."""
