@@ -65,9 +65,9 @@ _SAVED: dict[str, Path] = {}
 def causal_lm_config(config):
     """`config` if it is a transformers model config (what `tiny_llama_config` returns); else a UserError."""
     if not callable(getattr(config, "to_json_string", None)) or not hasattr(config, "model_type"):
-        raise UserError(
+        raise UserError(  # one line: UserError joins a repr's lines
             f"config must be a transformers model config such as qlora.tiny_llama_config(), got "
-            f"{' '.join(repr(config).split())[:60]} ({type(config).__name__})"
+            f"{repr(config)[:60]} ({type(config).__name__})"
         )
     return config
 
