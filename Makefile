@@ -41,15 +41,16 @@ test-floors: $(FLOORS_READY)
 exercises: $(READY)
 	$(BIN)/course-lib make-exercises
 
-# torch is pinned to the CPU wheel in constraints.txt; the package itself keeps wide ranges.
+# torch is pinned to the CPU wheel in constraints.txt; the package itself keeps wide ranges. --no-compile:
+# a module is byte-compiled when it is first imported, not all of torch's and jupyter's at install (35 s).
 $(READY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,lab]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.[dev,lab]'
 	touch $@
 
 $(FLOORS_READY): pyproject.toml $(FLOORS_CONSTRAINTS)
 	$(PYTHON) -m venv $(FLOORS)
-	$(FLOORS)/bin/python -m pip install --quiet --disable-pip-version-check -c $(FLOORS_CONSTRAINTS) -e '.[dev]'
+	$(FLOORS)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -c $(FLOORS_CONSTRAINTS) -e '.[dev]'
 	touch $@
 
 # The course in a real browser (README, "Developing"): JupyterLab on 127.0.0.1 and the system's Chromium

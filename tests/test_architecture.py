@@ -5,6 +5,8 @@ import path (and says so), and no file is longer than one job needs."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,9 +71,9 @@ HEAVY = (
     "torch.distributed.fsdp",
     "torch.distributed.optim",
 )
-# Entry points kept light on purpose (`import course_lib`, `course-lib --help`, the %%gpu_only magic): they may
-# also import torch or course_lib's own heavy packages inside a function.
-LIGHT_ENTRY_POINTS = {"course_lib", "course_lib.cli", "course_lib.course"}
+# Entry points kept light on purpose (`import course_lib`, `course-lib --help`, the %%gpu_only magic) and what
+# they all import (validate): they may also import torch or course_lib's own heavy packages inside a function.
+LIGHT_ENTRY_POINTS = {"course_lib", "course_lib.cli", "course_lib.course", "course_lib.validate"}
 MAX_LINES = 500  # as ruff formats a file (120 columns)
 
 
@@ -200,6 +202,17 @@ def test_a_function_local_import_only_keeps_a_heavy_library_off_the_import_path_
                     + ("" if said else " without a comment saying why")
                 )
     assert wrong == []
+
+
+def test_the_cli_and_the_grader_start_without_torch():
+    """`course-lib --help`, `course-lib grade` and its children import neither torch nor transformers (a
+    grading run of one notebook took 5 s longer when validate imported torch at its top)."""
+    code = (
+        "import sys, course_lib.cli, course_lib.grading, course_lib.validate\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
 
 
 def _private(attr: str) -> bool:
