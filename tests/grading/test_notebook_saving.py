@@ -1,9 +1,12 @@
 """What a learner's JupyterLab does to a committed notebook: opening and saving one changes nothing, its
 saved widget state holds exactly the models its outputs show, and no text output is wider than a
 laptop's notebook column (the issue "the course as a learner sees it"; the real browser's run is
-tests/browser_check.py, `make browser-test`)."""
+tests/browser_check.py, `make browser-test`). And what a learner reads: no markdown cell is a wall of text
+or holds a table wider than that column, and none says "seed" for the popular texts the course corrects
+(issue 47, "the lessons as a learner reads them")."""
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -16,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXECUTED = sorted(p.relative_to(ROOT) for folder in ("notebooks", "solutions") for p in (ROOT / folder).glob("*.ipynb"))
 ALL = sorted(EXECUTED + [p.relative_to(ROOT) for p in (ROOT / "exercises").glob("*.ipynb")])
 WIDTH = 110  # characters: a text table wider than this wraps its rows at 1280 px with the sidebar closed
+WORDS = 250  # words in one markdown cell: one idea a cell, next to the cell that measures it
+SEED = re.compile(r"\bseed(s|'s)?\b", re.IGNORECASE)
+RANDOM_SEED = ("seed and an offset", "random seed")  # the RNG's seed, the only sense a lesson may use
 
 
 def _save_cases():
@@ -73,3 +79,36 @@ def test_no_text_output_is_wider_than_a_laptops_notebook_column(path):
             if width > WIDTH:
                 wide.append(f"cell {index}: {width} characters")
     assert not wide, f"{path}: text wider than {WIDTH} characters: {', '.join(wide)}"
+
+
+def _markdown_cells(path):
+    for index, cell in enumerate(nbformat.read(ROOT / path, as_version=4).cells):
+        if cell.cell_type == "markdown":
+            yield index, cell.source
+
+
+@pytest.mark.parametrize("path", ALL, ids=str)
+def test_no_markdown_cell_is_a_wall_of_text_or_a_wide_table(path):
+    problems = []
+    for index, source in _markdown_cells(path):
+        words = len(source.split())
+        if words > WORDS:
+            problems.append(f"cell {index}: {words} words (split it at an idea's boundary)")
+        rows = [len(line) for line in source.splitlines() if line.startswith("|") and len(line) > WIDTH]
+        if rows:
+            problems.append(f"cell {index}: {len(rows)} table rows wider than {WIDTH} characters (widest {max(rows)})")
+    assert not problems, f"{path}: at most {WORDS} words a markdown cell, table rows of {WIDTH}: {'; '.join(problems)}"
+
+
+@pytest.mark.parametrize("path", ALL, ids=str)
+def test_no_markdown_cell_says_seed_but_for_a_random_number_generator(path):
+    found = []
+    for index, source in _markdown_cells(path):
+        text = source
+        for phrase in RANDOM_SEED:
+            text = re.sub(re.escape(phrase), "", text, flags=re.IGNORECASE)
+        found += [f"cell {index}: {match.group(0)!r}" for match in SEED.finditer(text)]
+    assert not found, (
+        f"{path}: name the text a claim comes from (docs/references.md) or say 'popular guides', "
+        f"not 'the seed': {', '.join(found)}"
+    )
