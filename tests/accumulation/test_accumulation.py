@@ -718,7 +718,10 @@ def test_cost_rows_same_flops_same_fixed_memory_peak_falls_with_the_micro_batch(
     assert [r.k for r in rows] == [1, 4, 8]
     assert len({r.flops for r in rows}) == 1 and rows[0].flops > 0
     assert len({(r.parameters, r.gradients, r.optimizer_state, r.inputs) for r in rows}) == 1
-    assert rows[0].optimizer_state == 2 * rows[0].parameters + 4 * len(list(cost_model(32, 2).parameters()))
+    params = list(cost_model(32, 2).parameters())
+    assert rows[0].optimizer_state == 2 * rows[0].parameters + 4 * len(params)
+    # fp32 AdamW: 4 bytes of weight, 4 of gradient, 8 of moments a parameter, and a 4-byte step a tensor
+    assert rows[0].fixed_bytes == 16 * sum(p.numel() for p in params) + 4 * len(params)
     assert all(a.peak_bytes > b.peak_bytes for a, b in zip(rows, rows[1:]))
     assert all(a.saved_per_micro_batch > b.saved_per_micro_batch for a, b in zip(rows, rows[1:]))
     assert all(r.ms_per_step > 0 for r in rows)
@@ -819,3 +822,33 @@ def test_check_finish_window_names_the_one_mistake_left(mistake):
         return
     with pytest.raises(checks.CheckFailed, match=re.escape(FINISH_WINDOW_HINTS[mistake])):
         checks.check_finish_window(answer)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Boundaries the generated mutants found (benchmarks/mutation_score.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "norm, kind",
+    [(None, torch.nn.Identity), ("none", torch.nn.Identity), ("layer", torch.nn.LayerNorm)]
+    + [("batch", torch.nn.BatchNorm1d), ("group", torch.nn.GroupNorm)],
+)
+def test_tiny_mlp_puts_the_norm_it_is_asked_for_after_each_hidden_linear(norm, kind):
+    model = tiny_mlp(norm=norm, depth=2)
+    assert [type(model[i]) for i in (1, 4)] == [kind, kind]
+
+
+def test_a_gradient_that_is_zero_in_both_runs_differs_by_nothing_not_by_infinity():
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)  # zero output, zero targets: every gradient is exactly 0
+    report = compare_accumulation(model, (torch.randn(4, 3), torch.zeros(4, 2)), k=2)
+    assert report["float32"].max_rel_grad == 0.0 and report["float32"].max_abs_grad == 0.0
+
+
+def test_weights_are_compared_in_float64_so_a_difference_fp32_rounds_away_is_seen():
+    a, b = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    a.weight.data.fill_(2.0**24 + 2)  # both exact in fp32; their difference, 2**24 + 3, is not
+    b.weight.data.fill_(-1.0)
+    assert max_weight_difference(a, b) == 2.0**24 + 3

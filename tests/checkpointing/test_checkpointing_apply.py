@@ -426,6 +426,16 @@ def test_tradeoff_table_times_plans_in_turns_and_leaves_selective_unpredicted():
     assert table.splitlines()[0] == "title" and "n/a" in table and "1.00x" in table
 
 
+def test_the_uneven_layers_add_their_branch_to_their_input():
+    from course_lib.checkpointing import uneven_stack
+
+    mlp, pw = uneven_stack("mlp2 pw", 8)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(mlp(x) - x, mlp.down(mlp.act(mlp.up(mlp.norm(x)))))
+    h = torch.tanh(pw.mix(x))
+    torch.testing.assert_close(pw(x) - x, torch.sin(h * torch.sigmoid(2 * h)) * torch.exp(-h * h))
+
+
 def test_uneven_stack_specs():
     from course_lib.checkpointing import uneven_stack
 
