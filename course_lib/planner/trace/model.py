@@ -3,7 +3,9 @@ on the meta device, with peft's adapters as the setup asks, and the key of what 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 import warnings
 
 import torch
@@ -41,8 +43,31 @@ def trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
     )
 
 
-def build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
+@contextlib.contextmanager
+def bitsandbytes_unseen():
+    """peft unseen by bitsandbytes while it is imported and builds a meta model's adapters, where nothing
+    has imported bitsandbytes yet: peft 0.21 imports it at its own import (peft/helpers.py:27) and when it
+    picks a LoRA layer (tuners/lora/model.py:525-533, through import_utils.is_bnb_4bit_available), and
+    importing bitsandbytes imports torch._inductor, about a second of a cold `course-lib plan`. A meta
+    trace runs no bitsandbytes layer (a frozen 4-bit layer is traced as a 16-bit one), so peft's answer
+    "no bitsandbytes" changes nothing here; its cached answers are cleared after, for a real QLoRA later in
+    the same process (`peft.helpers`' condition-number helper keeps seeing none)."""
+    if "bitsandbytes" in sys.modules:  # imported already, or unseen by an enclosing call
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # find_spec answers None and `import bitsandbytes` ImportError
+    try:
+        yield
+    finally:
+        del sys.modules["bitsandbytes"]
+        answers = sys.modules.get("peft.import_utils")
+        if answers is not None:
+            answers.is_bnb_available.cache_clear()
+            answers.is_bnb_4bit_available.cache_clear()
 
+
+def build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
+    """The model of `spec` on the meta device in the setup's dtypes, with peft's adapters as it asks."""
     config = copy.deepcopy(transformers_config(spec.config))
     config.use_cache = False
     dtype = setup.weight_dtype
@@ -54,22 +79,23 @@ def build_traced_model(spec: ModelSpec, setup: Setup) -> torch.nn.Module:
                     param.data = param.data.float()
     model.train()
     if setup.lora_rank:
-        from peft import LoraConfig, get_peft_model  # off the import path: peft imports transformers
-
         targets = setup.lora_targets if setup.lora_targets == "all-linear" else list(setup.lora_targets)
-        with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
-            warnings.simplefilter("ignore")
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=setup.lora_rank,
-                    lora_alpha=2 * setup.lora_rank,
-                    target_modules=targets,
-                    lora_dropout=setup.lora_dropout,
-                    init_lora_weights=False,
-                ),  # values: none on meta
-                autocast_adapter_dtype=setup.autocast_adapter_dtype,
-            )
+        with bitsandbytes_unseen():
+            from peft import LoraConfig, get_peft_model  # off the import path: peft imports transformers
+
+            with warnings.catch_warnings(), torch.device("meta"):  # adapters too: peft builds them on the CPU
+                warnings.simplefilter("ignore")
+                model = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=setup.lora_rank,
+                        lora_alpha=2 * setup.lora_rank,
+                        target_modules=targets,
+                        lora_dropout=setup.lora_dropout,
+                        init_lora_weights=False,
+                    ),  # values: none on meta
+                    autocast_adapter_dtype=setup.autocast_adapter_dtype,
+                )
         if not setup.autocast_adapter_dtype:  # peft casts adapters to the base's dtype, but skips meta ones
             for param in (p for p in model.parameters() if p.requires_grad):
                 param.data = param.data.to(setup.weight_dtype)
