@@ -411,7 +411,7 @@ def training_loop_problem(train: Callable) -> str | None:
 
 @checked
 def check_training_loop(train: Callable) -> None:
-    """Lesson 2: the whole accumulation loop gets every detail right (five scenarios, not an exercise).
+    """Lesson 2 (not an exercise): the whole accumulation loop gets every detail right.
 
     `train(model=, optimizer=, batches=, loss=, accumulation_steps=, scheduler=, max_grad_norm=, scaler=)`
     is run on five scenarios against training on each window as one batch (`train_whole_windows`):

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from course_lib.measure import PHASES
+from course_lib.measure import PHASES, dispatched_tensors
 from course_lib.paging.policies import PagingError
 from course_lib.validate import checked
 
@@ -56,8 +55,8 @@ def measure_touches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lo
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             seen = set()
-            for t in tree_flatten((args, kwargs or {}, out))[0]:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes():
+            for t in dispatched_tensors((args, tuple((kwargs or {}).values()), out)):
+                if t.device.type != "meta" and t.untyped_storage().nbytes():
                     ident = uid(t)
                     if ident not in seen:
                         seen.add(ident)

@@ -45,7 +45,7 @@ def trace_key(spec: ModelSpec, setup: Setup, target: str) -> tuple:
 
 @contextlib.contextmanager
 def bitsandbytes_unseen():
-    """peft unseen by bitsandbytes while it is imported and builds a meta model's adapters, where nothing
+    """bitsandbytes unseen by peft while peft is imported and builds a meta model's adapters, where nothing
     has imported bitsandbytes yet: peft 0.21 imports it at its own import (peft/helpers.py:27) and when it
     picks a LoRA layer (tuners/lora/model.py:525-533, through import_utils.is_bnb_4bit_available), and
     importing bitsandbytes imports torch._inductor, about a second of a cold `course-lib plan`. A meta
