@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
+import importlib.util
 import sys
 from dataclasses import dataclass
 
@@ -120,6 +120,17 @@ def _imported_but_changed(package: str, module_name: str) -> str | None:
     return None
 
 
+def _installed_version(package: str) -> str | None:
+    """The installed version of `package`, found without importing it (None when it is not installed):
+    importing bitsandbytes starts torch.compile's machinery, and peft imports it, about 10 s of CPU
+    that every setup cell paid. An install that is there but broken fails at the lesson's own import."""
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return version if package in sys.modules or importlib.util.find_spec(package) is not None else None
+
+
 def declared_ranges() -> dict[str, SpecifierSet]:
     """The version range course_lib declares for each package it needs (pyproject.toml, read back from
     the installed package's metadata); empty when course_lib is not installed (lesson 0, "Setup")."""
@@ -148,8 +159,8 @@ def _version_check(package: str, version: str, ranges: dict[str, SpecifierSet]) 
 
 
 def environment_checks() -> list[Check]:
-    """The checks behind `check_environment` (lesson 0, "Setup"): each package importable and inside
-    the range course_lib declares, the device, the precision, and whether a restart is needed."""
+    """The checks behind `check_environment` (lesson 0, "Setup"): each package installed (not imported:
+    `_installed_version`) and inside the range course_lib declares, the device, the precision, and whether a restart is needed."""
     checks = [Check(True, "python", sys.version.split()[0])]
     ranges = declared_ranges()
     if not ranges:
@@ -171,14 +182,10 @@ def environment_checks() -> list[Check]:
     policy = dtype_policy()
     checks.append(Check(True, "precision", policy.reason))
     for package in ("transformers", "accelerate", "peft", "bitsandbytes", "nbval"):
-        try:
-            module = importlib.import_module(package)
-        except Exception as error:  # an import can fail in many ways: report, don't crash
-            checks.append(
-                Check(False, package, f"not importable ({type(error).__name__}: {error}); run: pip install {package}")
-            )
-            continue
-        checks.append(_version_check(package, getattr(module, "__version__", "0"), ranges))
+        if (version := _installed_version(package)) is None:
+            checks.append(Check(False, package, f"not installed; run: pip install {package}"))
+        else:
+            checks.append(_version_check(package, version, ranges))
     changed = [
         msg
         for pkg, mod in (

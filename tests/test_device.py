@@ -1,5 +1,6 @@
 """course_lib.device: device choice, the dtype policy and the environment check (lesson 0)."""
 
+import subprocess
 import sys
 import tomllib
 import types
@@ -76,16 +77,36 @@ def test_environment_check_asks_for_a_restart_after_an_upgrade(monkeypatch, caps
 
 
 def test_missing_package_is_a_fail_line_with_the_fix(monkeypatch, capsys):
-    real_import = dev.importlib.import_module
+    real_version = dev.importlib.metadata.version
 
-    def import_without_peft(name):
+    def version_without_peft(name):
         if name == "peft":
-            raise ImportError("gone")
-        return real_import(name)
+            raise dev.importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
 
-    monkeypatch.setattr(dev.importlib, "import_module", import_without_peft)
+    monkeypatch.setattr(dev.importlib.metadata, "version", version_without_peft)
     assert not dev.check_environment()
-    assert "FAIL peft: not importable (ImportError: gone); run: pip install peft" in capsys.readouterr().out
+    assert "FAIL peft: not installed; run: pip install peft" in capsys.readouterr().out
+
+
+def test_metadata_without_the_module_is_not_installed(monkeypatch, capsys):
+    real_find_spec = dev.importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "nbval", raising=False)  # pytest's plugin: imported here
+    monkeypatch.setattr(dev.importlib.util, "find_spec", lambda name: None if name == "nbval" else real_find_spec(name))
+    assert not dev.check_environment()
+    assert "FAIL nbval: not installed; run: pip install nbval" in capsys.readouterr().out
+
+
+def test_the_check_imports_none_of_the_packages_it_checks():
+    """Importing bitsandbytes starts torch.compile's machinery (seconds in every setup cell): the
+    check reads the installed versions instead."""
+    code = (
+        "import sys\nfrom course_lib.device import check_environment\ncheck_environment()\n"
+        "print(sorted(m for m in ('transformers', 'accelerate', 'peft', 'bitsandbytes', 'nbval') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout
 
 
 def test_a_version_outside_the_declared_range_is_a_fail_line_with_the_fix(monkeypatch, capsys):
@@ -93,7 +114,7 @@ def test_a_version_outside_the_declared_range_is_a_fail_line_with_the_fix(monkey
     assert not dev.check_environment()
     out = capsys.readouterr().out
     assert f"FAIL peft: {peft.__version__}, but course_lib needs peft>=99; run: pip install 'peft>=99'" in out
-    assert "OK   transformers" in out  # no declared range: importable is enough
+    assert "OK   transformers" in out  # no declared range: installed is enough
 
 
 def test_declared_ranges_are_pyprojects(monkeypatch, capsys):
