@@ -46,6 +46,15 @@ def check_cells(notebook):
     return [cell for cell in notebook.cells if "checks.check_" in cell.source]
 
 
+def check_indices(notebook):
+    return [i for i, cell in enumerate(notebook.cells) if "checks.check_" in cell.source]
+
+
+def answer_index(notebook):
+    """The first cell a learner fills in (exercise 1.1's): after its heading and its hint."""
+    return next(i for i, cell in enumerate(notebook.cells) if "raise NotImplementedError()" in cell.source)
+
+
 # --- which cells run: the learner's, with the setup and check cells from the reference -------------
 
 
@@ -55,7 +64,8 @@ def test_an_untouched_exercise_runs_as_it_is_with_fresh_checks():
     for cell, original in zip(restored.notebook.cells, exercise().cells):
         fresh = FRESH_CHECKS if "checks.check_" in original.source else ""
         assert cell.source == fresh + original.source
-    assert restored.origin[3] == "cell 4" and restored.origin[4].startswith("Exercise 1.1")
+    answer = answer_index(exercise())
+    assert restored.origin[answer] == f"cell {answer + 1}" and restored.origin[answer + 1].startswith("Exercise 1.1")
 
 
 def test_deleted_edited_and_moved_check_cells_are_restored_in_their_place():
@@ -68,29 +78,32 @@ def test_deleted_edited_and_moved_check_cells_are_restored_in_their_place():
     restored = restore(submission, reference())
     assert restored.restored == {first.id: "deleted", second.id: "edited", setup.id: "moved"}
     assert ids(restored.notebook) == ids(exercise())
-    assert restored.notebook.cells[7].source == FRESH_CHECKS + check_cells(exercise())[1].source
+    second_at = check_indices(exercise())[1]
+    assert restored.notebook.cells[second_at].source == FRESH_CHECKS + check_cells(exercise())[1].source
 
 
 def test_a_check_cell_turned_into_markdown_is_restored_as_code():
     submission = exercise()
     check_cells(submission)[0].cell_type = "markdown"
     restored = restore(submission, reference())
-    assert list(restored.restored.values()) == ["edited"] and restored.notebook.cells[4].cell_type == "code"
+    first_at = check_indices(exercise())[0]
+    assert list(restored.restored.values()) == ["edited"] and restored.notebook.cells[first_at].cell_type == "code"
 
 
 def test_the_learners_own_cells_keep_their_order_around_the_checks():
     """A helper cell between an answer and its check stays before the check: not 'moved'."""
     submission = exercise()
-    submission.cells.insert(4, nbformat.v4.new_code_cell("helper = 1"))
+    first_at = check_indices(submission)[0]
+    submission.cells.insert(first_at, nbformat.v4.new_code_cell("helper = 1"))
     submission.cells.insert(0, nbformat.v4.new_markdown_cell("my notes"))
     restored = restore(submission, reference())
     assert restored.restored == {} and ids(restored.notebook) == ids(submission)
-    assert restored.origin[5] == "cell 6"
+    assert restored.origin[first_at + 1] == f"cell {first_at + 2}"
 
 
 def test_a_check_moved_before_its_exercise_goes_back_after_it():
     submission = exercise()
-    check = submission.cells.pop(4)
+    check = submission.cells.pop(check_indices(submission)[0])
     submission.cells.insert(2, check)  # above the exercise's heading and answer
     restored = restore(submission, reference())
     assert restored.restored == {check.id: "moved"} and ids(restored.notebook) == ids(exercise())
@@ -104,7 +117,9 @@ def test_a_notebook_saved_without_cell_ids_keeps_its_unchanged_checks_in_place()
     submission.cells.remove(check_cells(submission)[0])
     restored = restore(submission, reference())
     assert list(restored.restored.values()) == ["deleted"] and len(restored.notebook.cells) == len(exercise().cells)
-    assert restored.origin[-2].startswith("Exercise 1.1") and restored.origin[-1].startswith("Exercise 1.2")
+    second_at = check_indices(exercise())[1] - 1  # one cell earlier: the first check was removed
+    assert restored.origin[second_at].startswith("Exercise 1.2")  # the unchanged check, in its place
+    assert restored.origin[-1].startswith("Exercise 1.1")  # without cell ids, a deleted check comes last
 
 
 def test_a_submission_is_identified_by_metadata_then_file_name_then_cell_ids():
@@ -149,7 +164,7 @@ def variant(folder: Path, edit=None, source: Path = EXERCISE) -> Path:
 
 def append_to_answer(code):
     def edit(notebook):
-        notebook.cells[3].source += "\n" + code
+        notebook.cells[answer_index(notebook)].source += "\n" + code
 
     return edit
 
@@ -162,7 +177,7 @@ def deleted_and_commented(notebook):
 
 def patched_and_wrapped(notebook):
     patch = "from course_lib import checks\nchecks.check_model_state_bytes = lambda *a: print('Correct!')"
-    notebook.cells[3].source += "\n" + patch
+    notebook.cells[answer_index(notebook)].source += "\n" + patch
     second = check_cells(notebook)[1]
     second.source = (
         "try:\n" + "".join(f"    {line}\n" for line in second.source.splitlines()) + "except Exception:\n    pass"
@@ -198,7 +213,9 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
         "wrong": variant(
             class_dir / "wrong",
             lambda nb: setattr(
-                nb.cells[3], "source", nb.cells[3].source.replace("raise NotImplementedError()", "return 16 * n_params")
+                nb.cells[answer_index(nb)],
+                "source",
+                nb.cells[answer_index(nb)].source.replace("raise NotImplementedError()", "return 16 * n_params"),
             ),
         ),
     }
@@ -235,7 +252,8 @@ def test_every_way_of_cheating_in_the_issue_fails_and_no_submission_reaches_anot
         for learner, rows in by_learner.items()
     }
     assert reasons["loops"] == {"timed out"} and reasons["dies"] == {"kernel died"}, by_learner
-    assert all("cell 4 " in row["detail"] for row in by_learner["loops"] + by_learner["dies"])  # the answer cell
+    answer_cell = f"cell {answer_index(exercise()) + 1} "  # the answer cell, as the gradebook counts (from 1)
+    assert all(answer_cell in row["detail"] for row in by_learner["loops"] + by_learner["dies"])
     for learner in ("deleted_and_commented", "patched_and_wrapped", "a_cheat", "b_victim"):
         assert reasons[learner] == {"not done yet"}, by_learner[learner]
     assert reasons["c_cheat"] == {
