@@ -11,6 +11,8 @@ REPOSITORY = "memory-tricks-course/memory-tricks"
 BRANCH = "main"
 PACKAGE_URL = f"git+https://github.com/{REPOSITORY}@{BRANCH}"
 COLAB_BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
+# The glossary (docs/glossary.md) by its absolute address, so that a lesson's links work on Colab as in JupyterLab.
+GLOSSARY_URL = f"https://github.com/{REPOSITORY}/blob/{BRANCH}/docs/glossary.md"
 
 SETUP_CELL = f"""\
 # Setup. On Google Colab: install bitsandbytes and course_lib (Colab's own torch is kept).
