@@ -7,7 +7,7 @@ import json
 import re
 import sys
 
-from course_lib import validate
+from course_lib import course, validate
 from course_lib.errors import UserError
 
 
@@ -49,6 +49,16 @@ def _kernelspec(args: argparse.Namespace) -> int:
     for path in set_kernelspecs(args.folders):
         print(f"rewritten as JupyterLab saves it: {path}")
     return 0
+
+
+def _repoint(args: argparse.Namespace) -> int:
+    # off the import path: course_lib.grading imports nbclient and nbformat (seconds): keeps `course-lib plan` light
+    from course_lib.grading import repoint
+
+    report = repoint(args.folder)
+    for line in report or [f"every address already points at {course.REPOSITORY}@{course.BRANCH}"]:
+        print(line)
+    return 1 if any(line.startswith("kept") for line in report) else 0
 
 
 def _grade(args: argparse.Namespace) -> int:
@@ -190,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="folders of notebooks (default: notebooks solutions)",
     )
     kernelspec.set_defaults(run=_kernelspec)
+
+    repoint = commands.add_parser(
+        "repoint",
+        help="point the Colab badges, setup cells and links at course_lib/course.py's REPOSITORY and BRANCH "
+        "(for a fork), then make exercises/ again",
+    )
+    repoint.add_argument("folder", nargs="?", default=".", help="the course's folder (default: .)")
+    repoint.set_defaults(run=_repoint)
 
     # `plan`'s own arguments are tyro's (main hands them over): listed here for `course-lib --help`
     commands.add_parser("plan", help="predict the memory of a training step and whether it fits a GPU", add_help=False)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -44,6 +45,30 @@ def wrapped(text: str, indent: str = "  ") -> str:
 def colab_url(path: str | Path) -> str:
     """The Open-in-Colab address of a notebook given by its path inside the repository."""
     return f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/{Path(path).as_posix()}"
+
+
+# The course's own address as its files write it: a Colab link, a GitHub file link, the pip install (no
+# branch name with a slash: in a `blob/BRANCH/path` link it could not be told from the path).
+COURSE_ADDRESS = re.compile(r"colab\.research\.google\.com/github/([\w.-]+/[\w.-]+)/blob/([\w.-]+)/")
+
+
+def course_addresses(text: str) -> set[tuple[str, str]]:
+    """The (repository, branch) pairs that `text`'s Open-in-Colab links point at."""
+    return set(COURSE_ADDRESS.findall(text))
+
+
+def repointed(text: str, repository: str, branch: str) -> str:
+    """`text` with every address of the course at `repository` and `branch` (its Colab links, its GitHub
+    file links, the setup cell's pip install, the project's URL) moved to REPOSITORY and BRANCH (README,
+    "Start on Google Colab"). Other repositories' addresses are left as they are."""
+    for old, new in (
+        (f"google.com/github/{repository}/blob/{branch}/", f"google.com/github/{REPOSITORY}/blob/{BRANCH}/"),
+        (f"github.com/{repository}/blob/{branch}/", f"github.com/{REPOSITORY}/blob/{BRANCH}/"),
+        (f"github.com/{repository}@{branch}", f"github.com/{REPOSITORY}@{BRANCH}"),
+        (f'"https://github.com/{repository}"', f'"https://github.com/{REPOSITORY}"'),
+    ):
+        text = text.replace(old, new)
+    return text
 
 
 def colab_badge(path: str | Path) -> str:

@@ -434,6 +434,7 @@ CLI_BASE = {
     "make-exercises": [],
     "grade": ["no-such-notebook.ipynb"],
     "kernelspec": ["no-such-folder"],
+    "repoint": ["no-such-folder"],
     "plan": ["--params", "7e9"],
 }
 CLI_HOSTILE = ["nan", "inf", "1e400", "-1", "0", "2.5", "", "abc", "9" * 400, "--"]

@@ -8,6 +8,7 @@
 - run: a notebook run in a fresh kernel under per-cell and per-notebook time limits (nbclient), and every
   process its code started killed when it ends;
 - guard: the reference's notebooks and the submissions, as read before any run, put back if a run changed one;
+- repoint: `course-lib repoint`, a fork's badges and links moved to its own address;
 - grade: `course-lib grade`, one notebook or a class's folder, into an optional CSV gradebook.
 """
 
@@ -28,6 +29,7 @@ from course_lib.grading.kernelspec import (  # noqa: F401
     set_kernelspecs,
     shown_widget_models,
 )
+from course_lib.grading.repoint import repoint  # noqa: F401
 from course_lib.grading.restore import identify, load_references, restore  # noqa: F401
 from course_lib.grading.run import run_notebook  # noqa: F401
 from course_lib.grading.write import MANIFEST, write_exercises  # noqa: F401
