@@ -16,7 +16,12 @@ lessons before it and holds the planner's prediction beside each measured peak, 
 above the planner (`course_lib.planner`), not beside the other lesson topics (CONTRIBUTING.md).
 """
 
-from course_lib.qlora.ablation import ablation, format_ablation
+from course_lib.qlora.ablation import (
+    ablation,
+    format_ablation,
+    format_predicted_ablation,
+    predicted_ablation,
+)
 from course_lib.qlora.building import (
     build_model,
     checkpoint_dir,
@@ -56,6 +61,7 @@ __all__ = [
     "expandable_row",
     "expandable_segments_effect",
     "format_ablation",
+    "format_predicted_ablation",
     "isolated_rows",
     "llama_1b_config",
     "make_optimizer",
@@ -64,6 +70,7 @@ __all__ = [
     "measure_row",
     "planner_setup",
     "predict",
+    "predicted_ablation",
     "quiet",
     "recipe_step",
     "tiny_llama_config",

@@ -3,6 +3,7 @@ planner against measurement on the CPU."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict
 
 import pytest
@@ -13,7 +14,9 @@ from hypothesis import strategies as st
 from course_lib import qlora
 from course_lib.checkpointing import assert_gradients_flow
 from course_lib.device import DtypePolicy
+from course_lib.planner import get_gpu
 
+ABLATION = importlib.import_module("course_lib.qlora.ablation")  # the module: the package's `ablation` is its function
 T4 = DtypePolicy(torch.float32, torch.float16, True, "T4")
 A100 = DtypePolicy(torch.float32, torch.bfloat16, False, "A100")
 CPU = DtypePolicy(torch.float32, None, False, "CPU")
@@ -154,6 +157,25 @@ def test_planner_within_ten_percent_and_tricks_save_memory(config):
     assert "-" in qlora.format_ablation([on, peak_only]).splitlines()[-1].split()[-1]
     with pytest.raises(ValueError, match="timed_steps"):
         qlora.measure_recipe(config, qlora.Recipe(seq=64), timed_steps=-1)
+
+
+def test_the_t4_ablation_is_predicted_in_the_t4s_precision_and_runs_nothing(config, monkeypatch):
+    """Lesson 5's T4 table: one row per ablation case, each the planner's plan of that case in a T4's
+    precision (fp16 autocast), nothing measured; a row past the card has a verdict and no reserved peak."""
+    monkeypatch.setattr(ABLATION, "measure_recipe", None)  # nothing may be run
+    recipe = qlora.Recipe(seq=64, accum=2)
+    rows = qlora.predicted_ablation(config, recipe)
+    cases = ABLATION.ablation_cases(recipe)
+    assert [r.label for r in rows] == [label for label, _ in cases] and rows[0].recipe == recipe
+    for row, (_, case) in zip(rows, cases):
+        planned = qlora.predict(config, case, T4, gpu=get_gpu("t4"))
+        assert row.measured_peak is None and row.predicted_peak == planned.total - planned.bytes["overhead"]
+        assert row.status == "predicted to fit a T4" and row.predicted_reserved == planned.reserved
+    assert rows[-1].predicted_peak > rows[0].predicted_peak
+    past = qlora.Row("too big", recipe, None, 2 * rows[0].predicted_peak, None, 1, "predicted not to fit a T4")
+    table = qlora.format_predicted_ablation([rows[0], past]).splitlines()
+    assert table[0].split() == ["configuration", "allocated", "reserved", "x", "all-on", "verdict"]
+    assert table[2].split()[4:8] == ["-", "2.00", "predicted", "not"]  # "too big", its allocated: 4 words
 
 
 def test_rows_that_cannot_run_on_the_gpu_say_why(config, monkeypatch):
