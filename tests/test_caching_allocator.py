@@ -14,6 +14,7 @@ from course_lib.caching_allocator import (
     CachingAllocator,
     KiB,
     MiB,
+    concatenated,
     replay,
     round_size,
     segment_size,
@@ -181,3 +182,10 @@ def test_replay_empties_the_cache_where_the_stream_says():
         20 * MiB + 30 * MiB,
     )  # the 4 MiB block's segment stays
     assert replay([20 * MiB, ~0, EMPTY_CACHE, 30 * MiB]).peak_reserved == 30 * MiB
+
+
+def test_concatenated_streams_shift_frees_past_an_empty_allocation_too():
+    # an empty request (0 bytes, torch.empty(0)) is an allocation: it counts among those made before
+    assert concatenated([8, ~0], [0, ~0]) == [8, ~0, 0, ~1]
+    assert concatenated([0], [0, 4, ~1, ~0]) == [0, 0, 4, ~2, ~1]
+    assert concatenated([8, EMPTY_CACHE], [EMPTY_CACHE, 0, ~0]) == [8, EMPTY_CACHE, EMPTY_CACHE, 0, ~1]

@@ -229,3 +229,31 @@ def test_peak_bytes_counts_the_live_tensors_and_what_the_step_creates():
         torch.ones(10)
 
     assert peak_bytes(step, [kept], torch.device("cpu")) == 100 * 4 + 1000 * 4
+
+
+def test_the_method_names_the_instrument_that_gave_the_peak():
+    model = mlp(4, 8)
+    x = torch.randn(2, 4)
+    report = measure_step(model, None, lambda: model(x).sum(), inputs=[x])
+    assert report.method == "allocator events, the live-storage tracker beside"
+    assert report.peak == max(report.phase_peaks.values())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):  # the allocator events are off
+        report = measure_step(model, None, lambda: model(x).sum(), inputs=[x])
+    assert report.method == "live-storage tracker (another profiler was running)"
+    assert report.phase_peaks == report.tracked_phase_peaks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the allocator statistics path")
+def test_a_cuda_peak_is_the_allocators_plus_the_paged_tensors():
+    device = torch.device("cuda")
+    paged = torch.ones(1000)  # unified memory outside PyTorch's allocator, as a paged optimizer's state
+    paged.is_paged = True
+    kept = torch.ones(100, device=device)
+
+    def step():
+        temporary = torch.ones(2**20, device=device)
+        del temporary
+
+    peak = peak_bytes(step, [kept, paged], device)
+    assert peak == torch.cuda.max_memory_allocated(device) + 1000 * 4
+    assert peak >= 100 * 4 + 2**20 * 4 + 1000 * 4

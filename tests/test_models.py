@@ -1,8 +1,11 @@
 """Tests of course_lib.models: bundled configs, exact parameter counts, config errors (lesson 1)."""
 
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from course_lib import models
 from course_lib.models import PUBLISHED_PARAMETERS, ModelNotFound, bundled_models, count_parameters, model_spec
@@ -92,3 +95,39 @@ def test_malformed_config_says_what_is_wrong(tmp_path, content, message):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ModelNotFound, match="no config file"):
         models.load_config(tmp_path / "nothing" / "config.json")
+
+
+@pytest.mark.parametrize(
+    "fields, suggestion",
+    [
+        (dict(hidden_size=7, num_attention_heads=8), "heads that divides it (e.g. 7)"),  # the width itself
+        (dict(hidden_size=6, num_attention_heads=3, num_key_value_heads=4), "heads that divide it (e.g. 3)"),
+    ],
+)
+def test_the_suggested_divisor_may_be_the_number_itself(tmp_path, fields, suggestion):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="llama", num_hidden_layers=1, vocab_size=10, **fields)))
+    with pytest.raises(ModelNotFound, match=re.escape(suggestion)):
+        models.load_config(path)
+
+
+def test_sdpa_falls_back_to_eager_only_where_the_model_refuses_it_and_other_choices_stay():
+    gemma, llama = models.load_config("gemma-2-2b"), models.load_config("llama-3.2-1b")
+    assert models.supported_attention(gemma, "sdpa") == "eager"  # Gemma-2's attention caps its logits
+    assert models.supported_attention(llama, "sdpa") == "sdpa"
+    for requested in ("eager", None):
+        assert models.supported_attention(gemma, requested) == requested
+
+
+def test_the_legacy_loss_upcasts_the_logits_to_fp32_and_returns_them():
+    logits = torch.randn(2, 5, 11).bfloat16()
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, use_cache):
+            return SimpleNamespace(logits=logits)
+
+    ids = torch.randint(0, 11, (2, 5))
+    loss, outputs = models.legacy_causal_lm_loss(Model(), ids, ids)
+    assert outputs.logits.dtype == torch.float32 and loss.dtype == torch.float32
+    expected = torch.nn.functional.cross_entropy(logits.float()[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
+    assert torch.equal(loss, expected)

@@ -116,6 +116,39 @@ def test_naive_mean_is_exact_when_every_micro_batch_has_the_same_count():
     assert report["float64"].max_rel_grad < 1e-12
 
 
+def test_a_gradient_that_is_exactly_zero_is_exact_zero_even_when_every_gradient_is():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())  # every output below 0: ReLU passes no gradient
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(-1.0)
+    report = compare_accumulation(model, regression_batches(1, batch_size=8, in_features=4, out_features=3)[0], 2)
+    for dtype in ("float32", "float64"):
+        gradients = report[dtype].gradients
+        assert [g.name for g in gradients] == ["0.weight", "0.bias"]
+        assert all(g.exact_zero and g.max_abs == 0.0 and g.max_rel == 0.0 for g in gradients)
+
+
+class _RecordsItsBatch(torch.nn.Module):
+    """A Linear with a one-value fp32 buffer that each forward sets to 2**-(5 * rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("record", torch.ones(()))
+
+    def forward(self, x):
+        self.record.fill_(2.0 ** (-5 * x.shape[0]))
+        return self.linear(x)
+
+
+def test_a_buffers_difference_is_exact_also_where_fp32_could_not_hold_it():
+    report = compare_accumulation(_RecordsItsBatch(), regression_batches(1, 8, in_features=4, out_features=3)[0], 4)
+    for dtype in ("float32", "float64"):
+        (record,) = report[dtype].buffers
+        assert (record.whole, record.accumulated) == (2.0**-40, 2.0**-10)  # 8 rows whole, 2 in the last micro-batch
+        assert record.max_abs == 2.0**-10 - 2.0**-40  # 31 significant bits: in fp32 it would round to 2**-10
+
+
 def test_compare_leaves_the_model_untouched():
     model = tiny_mlp("batch")
     before = copy.deepcopy(model.state_dict())
@@ -303,6 +336,16 @@ def test_replace_batchnorm_keeps_the_affine_weights():
     assert not any(isinstance(m, torch.nn.BatchNorm1d) for m in group.modules())
     with pytest.raises(ValueError):
         replace_batchnorm(model, "instance")
+
+
+def test_replace_batchnorm_reaches_a_batchnorm_nested_in_a_submodule():
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    model = torch.nn.Sequential(inner, torch.nn.ReLU())
+    replaced = replace_batchnorm(model, "layer")
+    assert [name for name, _ in replaced.named_children()] == ["0", "1"]
+    assert isinstance(replaced[0][1], torch.nn.GroupNorm) and replaced[0][1].num_groups == 1
+    assert not any(isinstance(m, torch.nn.BatchNorm1d) for m in replaced.modules())
+    assert isinstance(model[0][1], torch.nn.BatchNorm1d)  # a copy: the model given is left as it was
 
 
 # ---------------------------------------------------------------------------------------------------
