@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from test_sources import github_anchor  # GitHub's anchor rule, as the references' links are checked
 
 from course_lib.course import BRANCH, GLOSSARY_URL, REPOSITORY
 
@@ -29,11 +30,6 @@ DEEP_DIVE = "## Deep dive (optional): "
 SECTION = re.compile(r"^##+ ", re.M)  # a section heading; the title is the only "# " heading
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
-
-
-def github_anchor(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def markdown(path: Path) -> list[str]:

@@ -14,7 +14,7 @@ from course_lib.measure import format_bytes
 from course_lib.planner import GPU, get_gpu
 from course_lib.qlora.building import causal_lm_config
 from course_lib.qlora.gpu_rows import isolated_rows
-from course_lib.qlora.measuring import Row, measure_recipe, predict
+from course_lib.qlora.measuring import Row, measure_recipe, predict, step_peak
 from course_lib.qlora.recipe import Recipe, RecipeError, valid_recipe
 from course_lib.validate import Device, NonNegative, checked
 
@@ -105,9 +105,8 @@ def predicted_ablation(config, recipe: Recipe | None = None, gpu: str = "t4") ->
     for label, case in ablation_cases(valid_recipe(recipe or Recipe())):
         planned = predict(config, case, policy, gpu=card)
         status = f"predicted {'to fit' if planned.fits else 'not to fit'} a {card.name}"
-        peak = planned.total - planned.bytes["overhead"]
         reserved = planned.reserved if planned.fits else None
-        rows.append(Row(label, case, None, peak, None, planned.trainable_params, status, None, reserved))
+        rows.append(Row(label, case, None, step_peak(planned), None, planned.trainable_params, status, None, reserved))
     return rows
 
 

@@ -29,7 +29,7 @@ from course_lib.qlora.building import (
     quiet,
     tiny_llama_config,
 )
-from course_lib.qlora.measuring import Row, measure_recipe, predict, recipe_step
+from course_lib.qlora.measuring import Row, measure_recipe, predict, recipe_step, step_peak
 from course_lib.qlora.recipe import Recipe
 from course_lib.qlora.training import train
 from course_lib.validate import Device
@@ -111,7 +111,7 @@ def isolated_rows(
                     label,
                     recipe,
                     None,
-                    predicted.total - predicted.bytes["overhead"],
+                    step_peak(predicted),
                     None,
                     predicted.trainable_params,
                     f"crashed: {out.get('error', '')}"[:120],

@@ -54,6 +54,12 @@ def planner_setup(recipe: Recipe, policy: DtypePolicy) -> Setup:
     )
 
 
+def step_peak(planned) -> int:
+    """A plan's peak without the CUDA context: what the allocator's peak statistic (or the CPU tracker)
+    measures of a step (lesson 5)."""
+    return planned.total - planned.bytes["overhead"]
+
+
 @checked(error=RecipeError)
 def predict(config, recipe: Recipe, policy: DtypePolicy | None = None, gpu=None):
     """The planner's prediction for a recipe (`course_lib.planner.plan`), as a Plan (lesson 5)."""
@@ -119,7 +125,7 @@ def measure_recipe(
     if device.type == "cuda":
         gpu = gpu or _catalog_gpu(device)
     predicted = predict(config, recipe, policy, gpu=gpu)
-    predicted_peak = predicted.total - predicted.bytes["overhead"]
+    predicted_peak = step_peak(predicted)
     label = label or recipe.describe()
     # the card's memory against the whole plan; what CUDA says is free (the context already taken) against
     # the plan without its CUDA context, which would otherwise count twice
